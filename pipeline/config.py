@@ -1,0 +1,207 @@
+"""Typed, strict configuration: YAML file -> dataclasses, with `--set key=value` overrides.
+
+Every key is declared here with its type and default; an unknown key, a wrong type or an invalid
+value raises ConfigError naming the key. Only `load_config` and the `*_args` translators in the
+stage modules read this; the stages themselves take plain keyword arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; the message names the key or file."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "retinaface_mnet025.onnx"
+    """ONNX file. Relative paths resolve against the config file's folder, then gpudet's models/."""
+    contract: Literal["auto", "end_to_end"] = "auto"
+    """How outputs are read (README, "Model contract"); auto recognises it from the output names."""
+    labels: list[str] = field(default_factory=lambda: ["face"])
+    """Class names, indexed by the model's label output (or label 0 when it has none)."""
+    landmarks: int = 5
+    """Landmark points per detection the model outputs (0 for none)."""
+
+
+@dataclass
+class PreprocessConfig:
+    size: list[int] = field(default_factory=lambda: [640, 640])
+    """Model input [height, width], used when the model's own input size is dynamic."""
+    resize: Literal["letterbox", "stretch"] = "letterbox"
+    """letterbox keeps the aspect ratio and pads right/bottom; stretch scales each axis alone."""
+    channel_order: Literal["RGB", "BGR"] = "BGR"
+    mean: list[float] = field(default_factory=lambda: [104.0, 117.0, 127.0])
+    """Per channel, in channel_order, in 0..255 pixel units."""
+    std: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
+    pad_value: float = 0.0
+    """Pixel value (0..255, before normalisation) of the letterbox padding."""
+
+
+@dataclass
+class PostprocessConfig:
+    score_threshold: float = 0.9
+    """Keep detections scoring at least this. 0.9 is the RetinaFace reference's threshold."""
+    iou_threshold: float = 0.4
+    max_detections: int = 750
+    """Per image, highest scores first."""
+
+
+@dataclass
+class RunConfig:
+    batch_size: int = 32
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N. cuda without a usable GPU is an error, never a silent fallback."""
+    num_threads: int = 4
+    """DALI worker threads (CPU decode and CPU-side operators) and file reader threads."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    postprocess: PostprocessConfig = field(default_factory=PostprocessConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    source_file: str | None = None
+    """The YAML file this came from (set by load_config, not a user key)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("source_file")
+        return d
+
+    def validate(self) -> None:
+        def need(ok: bool, key: str, message: str) -> None:
+            if not ok:
+                raise ConfigError(f"{key}: {message}")
+
+        p = self.preprocess
+        need(len(p.size) == 2 and all(v > 0 for v in p.size), "preprocess.size", "needs [height, width] > 0")
+        need(len(p.mean) == 3, "preprocess.mean", "needs 3 values, one per channel")
+        need(len(p.std) == 3 and all(v > 0 for v in p.std), "preprocess.std", "needs 3 values > 0")
+        q = self.postprocess
+        need(0.0 <= q.score_threshold <= 1.0, "postprocess.score_threshold", "must be in [0, 1]")
+        need(0.0 < q.iou_threshold <= 1.0, "postprocess.iou_threshold", "must be in (0, 1]")
+        need(q.max_detections > 0, "postprocess.max_detections", "must be > 0")
+        need(self.run.batch_size > 0, "run.batch_size", "must be > 0")
+        need(self.run.num_threads > 0, "run.num_threads", "must be > 0")
+        need(self.model.landmarks >= 0, "model.landmarks", "must be >= 0")
+        need(len(self.model.labels) > 0, "model.labels", "needs at least one name")
+
+
+SECTIONS = {"model": ModelConfig, "preprocess": PreprocessConfig, "postprocess": PostprocessConfig,
+            "run": RunConfig}
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check `value` against the field's annotation; accept int for float; raise ConfigError."""
+    hint = annotation
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            choices = ", ".join(map(str, typing.get_args(hint)))
+            raise ConfigError(f"{key}: {value!r} is not one of {choices}")
+        return value
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _coerce(key, value, inner)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (type(value) is not hint):
+        raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _apply(config: Config, values: dict[str, Any], origin: str) -> None:
+    for section, body in values.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{origin}: unknown section {section!r}; expected one of {', '.join(SECTIONS)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{origin}: section {section!r} must be a mapping of keys")
+        hints = typing.get_type_hints(SECTIONS[section])
+        target = getattr(config, section)
+        for key, value in body.items():
+            if key not in hints:
+                raise ConfigError(f"{origin}: unknown key {section}.{key}; known: {', '.join(hints)}")
+            setattr(target, key, _coerce(f"{section}.{key}", value, hints[key]))
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """`section.key=value` (value parsed as YAML) -> {"section": {"key": value}}."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. postprocess.score_threshold=0.5")
+    dotted, raw = text.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"--set {text!r}: the key must be section.key, e.g. run.batch_size")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {text!r}: value is not valid YAML: {e}") from None
+    return {parts[0]: {parts[1]: value}}
+
+
+def _data_dir(name: str) -> Path:
+    """configs/ or models/: inside the installed package (wheel), else beside it (source checkout)."""
+    package = Path(__file__).resolve().parent
+    installed = package / name
+    return installed if installed.is_dir() else package.parent / name
+
+
+def builtin_config(name: str = "retinaface_mnet025.yaml") -> Path:
+    return _data_dir("configs") / name
+
+
+def builtin_model_dir() -> Path:
+    return _data_dir("models")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Load a YAML config (default: the embedded RetinaFace one), apply overrides, validate."""
+    path = Path(path) if path is not None else builtin_config()
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    config = Config(source_file=str(path))
+    _apply(config, values, str(path))
+    for text in overrides:
+        _apply(config, parse_override(text), f"--set {text}")
+    config.validate()
+    return config
+
+
+def resolve_model_path(config: Config) -> Path:
+    """model.path: absolute, or relative to the config's folder, else a file in gpudet's models/."""
+    given = Path(config.model.path).expanduser()
+    candidates = [given] if given.is_absolute() else []
+    if not given.is_absolute():
+        if config.source_file:
+            candidates.append(Path(config.source_file).parent / given)
+        candidates += [Path.cwd() / given, builtin_model_dir() / given.name]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    tried = ", ".join(str(c) for c in candidates)
+    raise ConfigError(f"model.path: {config.model.path} not found (looked in: {tried}); "
+                      "pass --model FILE or set model.path")

@@ -1,0 +1,63 @@
+"""Which device the whole path runs on: one CUDA GPU, or the CPU. Never a silent fallback."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+
+class DeviceError(RuntimeError):
+    """The requested device cannot be used; says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str  # "cuda" or "cpu"
+    index: int = 0
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def torch(self) -> torch.device:
+        return torch.device(self.kind, self.index) if self.is_cuda else torch.device("cpu")
+
+    def __str__(self) -> str:
+        return f"cuda:{self.index}" if self.is_cuda else "cpu"
+
+    def describe(self) -> str:
+        if self.is_cuda:
+            return f"cuda:{self.index} ({torch.cuda.get_device_name(self.index)})"
+        return "cpu"
+
+
+def _cuda_problem(index: int) -> str | None:
+    """None if cuda:index can run the path (torch sees it, ORT has its CUDA EP), else the reason."""
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU (no driver, no device, or a CPU build of torch)"
+    if index >= torch.cuda.device_count():
+        return f"cuda:{index} does not exist; this machine has {torch.cuda.device_count()} GPU(s)"
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return "onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu, not onnxruntime)"
+    return None
+
+
+def resolve_device(spec: str) -> Device:
+    """auto -> the first GPU when one is usable, else the CPU; cuda / cuda:N -> that GPU or an error."""
+    if spec == "cpu":
+        return Device("cpu")
+    if spec == "auto":
+        return Device("cpu") if _cuda_problem(0) else Device("cuda", 0)
+    match = re.fullmatch(r"cuda(?::(\d+))?", spec)
+    if not match:
+        raise DeviceError(f"device {spec!r} is not one of auto, cpu, cuda, cuda:N")
+    index = int(match.group(1) or 0)
+    problem = _cuda_problem(index)
+    if problem:
+        raise DeviceError(f"--device {spec}: {problem}. Use --device cpu to run on the CPU.")
+    return Device("cuda", index)

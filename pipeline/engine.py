@@ -1,0 +1,165 @@
+"""Engine: one ONNX Runtime session and its IOBinding; tensors cross in and out through DLPack.
+
+Inputs: the preprocessed batch is bound with `OrtValue.from_dlpack` on DALI's own buffer (no host
+copy, no device copy). Scalar postprocess inputs some models declare (`score_threshold`,
+`iou_threshold`, `max_detections`) are bound once, on the host, where ORT's kernels read them.
+
+Outputs: an output whose shape is known once the batch size is known is bound to a preallocated
+torch buffer on the device, one per batch size, reused across batches. Any other output (for
+example the dynamic N of in-graph NMS) is bound by device only; ORT allocates it on the device
+and `torch.from_dlpack` reads it there. `OrtValue.numpy()` is never called on this path: on a
+CUDA OrtValue it is a device-to-host copy.
+
+Stream ordering: ORT's CUDA EP runs on its own stream and synchronizes it before
+`run_with_iobinding` returns (ORT's default). The outputs are therefore complete for any torch
+stream, and DALI's input buffer is free to be reused by the next preprocess run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from .device import Device
+
+ORT_TO_TORCH = {
+    "tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(int64)": torch.int64,
+    "tensor(int32)": torch.int32, "tensor(bool)": torch.bool, "tensor(uint8)": torch.uint8,
+}
+TORCH_TO_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64,
+                  torch.int32: np.int32, torch.bool: np.bool_, torch.uint8: np.uint8}
+SCALAR_INPUTS = {"score_threshold": np.float32, "iou_threshold": np.float32, "max_detections": np.int64}
+
+
+class ModelError(ValueError):
+    """The model cannot be used by gpudet; the message lists what was found and what was expected."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # ORT type string, e.g. "tensor(float)"
+    shape: tuple  # ints for static dims, strings (or None) for symbolic ones
+
+    def describe(self) -> str:
+        dims = ", ".join(str(d) if d is not None else "?" for d in self.shape)
+        return f"{self.name} {self.dtype.removeprefix('tensor(').removesuffix(')')} [{dims}]"
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    name: str
+    layout: str  # "NCHW" or "NHWC"
+    dtype: str  # "float32" or "float16"
+    size_hw: tuple[int, int] | None  # static model input size, or None when any size is accepted
+
+
+def describe_io(specs: list[TensorSpec]) -> str:
+    return "; ".join(s.describe() for s in specs) or "(none)"
+
+
+def find_image_input(inputs: list[TensorSpec], model_path: Path) -> ImageInput:
+    """The one rank-4 float input with 3 channels, its layout, dtype and (static) size."""
+    images = [s for s in inputs if s.name not in SCALAR_INPUTS]
+    unknown = [s for s in images if len(s.shape) != 4 or s.dtype not in ("tensor(float)", "tensor(float16)")]
+    if len(images) != 1 or unknown:
+        raise ModelError(
+            f"{model_path}: expected one image input float32/float16 [B, 3, H, W] or [B, H, W, 3], plus "
+            f"optional {', '.join(SCALAR_INPUTS)}; found inputs: {describe_io(inputs)}")
+    spec = images[0]
+    if spec.shape[1] == 3:
+        layout, hw = "NCHW", spec.shape[2:4]
+    elif spec.shape[3] == 3:
+        layout, hw = "NHWC", spec.shape[1:3]
+    else:
+        raise ModelError(f"{model_path}: image input {spec.describe()} has no channel dimension of 3 "
+                         "at position 1 (NCHW) or 3 (NHWC)")
+    static = all(isinstance(d, int) for d in hw)
+    return ImageInput(spec.name, layout, "float16" if spec.dtype == "tensor(float16)" else "float32",
+                      tuple(hw) if static else None)
+
+
+class Engine:
+    """An ORT session on one device with a reusable IOBinding."""
+
+    def __init__(self, model_path: str | Path, *, device: Device, scalars: dict[str, float | int]):
+        self.model_path = Path(model_path)
+        self.device = device
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3  # placement notes go through `gpudet inspect`, not every run
+        if device.is_cuda:
+            ort.preload_dlls()  # the CUDA 13 / cuDNN 9 libraries torch's wheels brought
+            providers = [("CUDAExecutionProvider", {"device_id": device.index}), "CPUExecutionProvider"]
+        else:
+            providers = ["CPUExecutionProvider"]
+        try:
+            self.session = ort.InferenceSession(str(self.model_path), options, providers=providers)
+        except Exception as e:  # ORT raises several types for unreadable or invalid models
+            raise ModelError(f"{self.model_path}: ONNX Runtime cannot load it: {e}") from None
+        self.inputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in self.session.get_inputs()]
+        self.outputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in self.session.get_outputs()]
+        self.image_input = find_image_input(self.inputs, self.model_path)
+        self._batch_dim = next(s.shape[0] for s in self.inputs if s.name == self.image_input.name)
+        self.binding = self.session.io_binding()
+        self._static_buffers: dict[int, dict[str, torch.Tensor]] = {}
+        for spec in self.inputs:
+            if spec.name in SCALAR_INPUTS:
+                if spec.name not in scalars:
+                    raise ModelError(f"{self.model_path}: input {spec.name} needs a value")
+                self.binding.bind_cpu_input(spec.name, np.array([scalars[spec.name]], SCALAR_INPUTS[spec.name]))
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if self.device.is_cuda else "cpu"
+
+    def output_shape(self, spec: TensorSpec, batch_size: int) -> tuple[int, ...] | None:
+        """The output's shape for this batch size, or None when it depends on the data."""
+        dims = []
+        for i, d in enumerate(spec.shape):
+            if isinstance(d, int):
+                dims.append(d)
+            elif i == 0 and d is not None and d == self._batch_dim:
+                dims.append(batch_size)
+            else:
+                return None
+        return tuple(dims)
+
+    def static_buffers(self, batch_size: int) -> dict[str, torch.Tensor]:
+        """Preallocated device buffers for the outputs whose shape is known, per batch size."""
+        if batch_size not in self._static_buffers:
+            buffers = {}
+            for spec in self.outputs:
+                shape = self.output_shape(spec, batch_size)
+                if shape is not None:
+                    buffers[spec.name] = torch.empty(shape, dtype=ORT_TO_TORCH[spec.dtype], device=self.device.torch)
+            self._static_buffers[batch_size] = buffers
+        return self._static_buffers[batch_size]
+
+    def run(self, images) -> dict[str, torch.Tensor]:
+        """Run on `images` (any DLPack tensor on this device, shaped as the model's image input).
+
+        Returns every output as a torch tensor on the device: static ones are views of the
+        preallocated buffers (overwritten by the next run), dynamic ones ORT's own allocations.
+        """
+        value = ort.OrtValue.from_dlpack(images)
+        batch_size = value.shape()[0]
+        self.binding.bind_ortvalue_input(self.image_input.name, value)
+        buffers = self.static_buffers(batch_size)
+        for spec in self.outputs:
+            if spec.name in buffers:
+                buf = buffers[spec.name]
+                self.binding.bind_output(spec.name, self.device_type, self.device.index, TORCH_TO_NUMPY[buf.dtype],
+                                         list(buf.shape), buf.data_ptr())
+            else:
+                # Rebound every run: a dynamic output keeps the previous run's shape otherwise.
+                self.binding.bind_output(spec.name, self.device_type, self.device.index)
+        self.session.run_with_iobinding(self.binding)
+        results = {}
+        for spec, value in zip(self.outputs, self.binding.get_outputs()):
+            results[spec.name] = buffers[spec.name] if spec.name in buffers else torch.from_dlpack(value)
+        return results

@@ -1,0 +1,100 @@
+"""Postprocess, on the device: model outputs -> final detections in original image pixels.
+
+The end-to-end contract (the default RetinaFace model, any model with in-graph NMS):
+    boxes        [N, 4]  x1 y1 x2 y2 in model-input pixels
+    scores       [N]
+    batch_index  [N]     int, which image of the batch
+    labels       [N]     int, optional (label 0 when absent)
+    landmarks    [N, 2K] (x, y) pairs in model-input pixels, optional
+N counts the detections of the whole batch. Everything below runs in torch on the outputs'
+device; the one device-to-host copy is of the final, thresholded detections, once per batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .engine import ModelError, TensorSpec, describe_io
+
+# name -> rank. Ranks are what contract detection checks; names are how outputs are found.
+END_TO_END_REQUIRED = {"boxes": 2, "scores": 1, "batch_index": 1}
+END_TO_END_OPTIONAL = {"labels": 1, "landmarks": 2}
+
+
+def detect_contract(outputs: list[TensorSpec], requested: str, model_path: Path) -> str:
+    """Which output contract the model follows; `requested` is the config's model.contract."""
+    by_name = {s.name: s for s in outputs}
+    fits = all(n in by_name and len(by_name[n].shape) == r for n, r in END_TO_END_REQUIRED.items()) and all(
+        len(by_name[n].shape) == r for n, r in END_TO_END_OPTIONAL.items() if n in by_name)
+    if fits and requested in ("auto", "end_to_end"):
+        return "end_to_end"
+    expected = ", ".join(f"{n} (rank {r})" for n, r in END_TO_END_REQUIRED.items())
+    optional = ", ".join(f"{n} (rank {r})" for n, r in END_TO_END_OPTIONAL.items())
+    raise ModelError(f"{model_path}: outputs do not fit the {requested} contract. Found: {describe_io(outputs)}. "
+                     f"Expected for end_to_end: {expected}; optional {optional}.")
+
+
+@dataclass
+class Detections:
+    """Final detections of one batch, on the host. Rows are grouped by image, best score first."""
+
+    batch_index: np.ndarray  # int64 [M]
+    boxes_xyxy: np.ndarray  # float32 [M, 4], original pixels (after EXIF orientation), clipped
+    scores: np.ndarray  # float32 [M]
+    labels: np.ndarray  # int64 [M]
+    landmarks: np.ndarray | None  # float32 [M, K, 2], original pixels, or None
+
+    def __post_init__(self):
+        m = len(self.batch_index)
+        assert self.boxes_xyxy.shape == (m, 4) and self.scores.shape == (m,) and self.labels.shape == (m,)
+        assert self.landmarks is None or (self.landmarks.shape[0] == m and self.landmarks.shape[2] == 2)
+
+    def rows_of(self, image: int) -> np.ndarray:
+        return np.flatnonzero(self.batch_index == image)
+
+
+def to_device_meta(scale_yx: np.ndarray, pad_yx: np.ndarray, orig_hw: np.ndarray,
+                   device: torch.device) -> torch.Tensor:
+    """[B, 6] float32 (scale_y, scale_x, pad_y, pad_x, height, width) on the device."""
+    meta = np.concatenate([scale_yx, pad_yx, orig_hw.astype(np.float32)], axis=1).astype(np.float32)
+    return torch.from_numpy(meta).to(device)
+
+
+def end_to_end(outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, score_threshold: float,
+               max_detections: int, num_landmarks: int) -> Detections:
+    """Threshold, cap per image, undo the resize/letterbox and clip; copy the result to the host.
+
+    outputs: the end-to-end contract's tensors, on the device. meta: [B, 6] from to_device_meta.
+    """
+    scores = outputs["scores"].float()
+    image = outputs["batch_index"].long()
+    labels = outputs["labels"].long() if "labels" in outputs else torch.zeros_like(image)
+    per_row = meta[image]  # [N, 6]
+    scale_xy, pad_xy, size_wh = per_row[:, [1, 0]], per_row[:, [3, 2]], per_row[:, [5, 4]]
+
+    def to_original(points_xy: torch.Tensor) -> torch.Tensor:  # [N, P, 2] model-input px -> original px
+        xy = (points_xy.float() - pad_xy[:, None]) / scale_xy[:, None]
+        return torch.minimum(xy.clamp(min=0), size_wh[:, None])
+
+    boxes = to_original(outputs["boxes"].reshape(-1, 2, 2)).reshape(-1, 4)
+    columns = [image.float()[:, None], labels.float()[:, None], scores[:, None], boxes]
+    if num_landmarks:
+        columns.append(to_original(outputs["landmarks"].reshape(-1, num_landmarks, 2)).reshape(-1, 2 * num_landmarks))
+
+    # Order by (image, score desc); rank within each image; keep score >= threshold and rank < cap.
+    # Rows below the threshold sort after those above it, so the rank counts kept rows first.
+    order = torch.argsort(scores, descending=True, stable=True)
+    order = order[torch.argsort(image[order], stable=True)]
+    counts = torch.bincount(image, minlength=meta.shape[0])
+    first_row = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(len(order), device=scores.device) - first_row[image[order]]
+    keep = (scores[order] >= score_threshold) & (rank < max_detections)
+    rows = torch.cat(columns, dim=1)[order[keep]].cpu().numpy()  # the one device->host copy
+    return Detections(
+        batch_index=rows[:, 0].astype(np.int64), labels=rows[:, 1].astype(np.int64), scores=rows[:, 2].copy(),
+        boxes_xyxy=rows[:, 3:7].copy(),
+        landmarks=rows[:, 7:].reshape(-1, num_landmarks, 2).copy() if num_landmarks else None)
