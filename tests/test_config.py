@@ -1,0 +1,66 @@
+import pytest
+
+from pipeline.config import ConfigError, load_config, resolve_model_path
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_default_config_is_the_embedded_retinaface():
+    config = load_config()
+    assert config.model.labels == ["face"] and config.preprocess.channel_order == "BGR"
+    assert resolve_model_path(config).name == "retinaface_mnet025.onnx"
+
+
+@pytest.mark.parametrize("text, key", [
+    ("model:\n  pathh: x.onnx\n", "model.pathh"),
+    ("modle:\n  path: x.onnx\n", "'modle'"),
+    ("run:\n  batch_size: eight\n", "run.batch_size"),
+    ("run:\n  batch_size: 2.5\n", "run.batch_size"),
+    ("preprocess:\n  resize: crop\n", "preprocess.resize"),
+    ("preprocess:\n  mean: 3\n", "preprocess.mean"),
+    ("preprocess:\n  mean: [1, 2]\n", "preprocess.mean"),
+    ("postprocess:\n  score_threshold: 1.5\n", "postprocess.score_threshold"),
+    ("run:\n  batch_size: 0\n", "run.batch_size"),
+    ("run: 3\n", "'run'"),
+    ("- a\n- b\n", "top level"),
+    ("run: [\n", "not valid YAML"),
+])
+def test_bad_config_names_the_key(tmp_path, text, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("[", r"\[")):
+        load_config(write(tmp_path, text))
+
+
+def test_set_overrides_any_key_with_types_checked(tmp_path):
+    config = load_config(None, ["postprocess.score_threshold=0.5", "run.batch_size=4", "preprocess.size=[320, 480]"])
+    assert config.postprocess.score_threshold == 0.5 and config.run.batch_size == 4
+    assert config.preprocess.size == [320, 480]
+    with pytest.raises(ConfigError, match="run.nope"):
+        load_config(None, ["run.nope=1"])
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["run.batch_size"])
+    with pytest.raises(ConfigError, match="run.batch_size"):
+        load_config(None, ["run.batch_size=many"])
+
+
+def test_int_is_accepted_for_float_but_bool_is_not_an_int(tmp_path):
+    assert load_config(write(tmp_path, "postprocess:\n  score_threshold: 1\n")).postprocess.score_threshold == 1.0
+    with pytest.raises(ConfigError, match="run.batch_size"):
+        load_config(write(tmp_path, "run:\n  batch_size: true\n"))
+
+
+def test_missing_config_file_and_model_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="nothere.yaml"):
+        load_config(tmp_path / "nothere.yaml")
+    config = load_config(write(tmp_path, "model:\n  path: missing.onnx\n"))
+    with pytest.raises(ConfigError, match="missing.onnx"):
+        resolve_model_path(config)
+
+
+def test_model_path_resolves_against_the_config_folder(tmp_path):
+    (tmp_path / "m.onnx").write_bytes(b"x")
+    config = load_config(write(tmp_path, "model:\n  path: m.onnx\n"))
+    assert resolve_model_path(config) == (tmp_path / "m.onnx").resolve()

@@ -1,0 +1,60 @@
+"""Device postprocess of the end-to-end contract, on hand-made outputs."""
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.engine import ModelError, TensorSpec
+from pipeline.postprocess import detect_contract, end_to_end, to_device_meta
+
+from conftest import cpu_and_cuda
+
+
+def meta_for(device, scale_yx, orig_hw, pad_yx=None):
+    scale_yx = np.array(scale_yx, np.float32)
+    pad_yx = np.zeros_like(scale_yx) if pad_yx is None else np.array(pad_yx, np.float32)
+    return to_device_meta(scale_yx, pad_yx, np.array(orig_hw, np.int64), torch.device(device))
+
+
+@cpu_and_cuda()
+def test_maps_back_thresholds_caps_and_orders(device):
+    dev = torch.device(device)
+    outputs = {
+        "boxes": torch.tensor([[10, 20, 110, 220], [0, 0, 50, 50], [300, 300, 700, 700], [5, 5, 15, 15],
+                               [1, 1, 2, 2]], dtype=torch.float32, device=dev),
+        "scores": torch.tensor([0.95, 0.5, 0.99, 0.97, 0.96], device=dev),
+        "batch_index": torch.tensor([0, 0, 1, 0, 0], device=dev),
+        "landmarks": torch.arange(5 * 4, dtype=torch.float32, device=dev).reshape(5, 4),
+    }
+    # image 0: 200x400 (h x w) scaled by 1.6 in both axes; image 1: 640x320 scaled by 1.0 with a pad.
+    meta = meta_for(device, [[1.6, 1.6], [1.0, 1.0]], [[200, 400], [640, 320]], pad_yx=[[0, 0], [0, 100]])
+    det = end_to_end(outputs, meta, score_threshold=0.9, max_detections=2, num_landmarks=2)
+    # image 0 keeps its two best of three above 0.9 (0.97, 0.96); 0.95 is cut by the cap, 0.5 by the score.
+    assert det.batch_index.tolist() == [0, 0, 1]
+    assert np.allclose(det.scores, [0.97, 0.96, 0.99])
+    assert np.allclose(det.boxes_xyxy[0], np.array([5, 5, 15, 15]) / 1.6)
+    # image 1: x shifted by the pad then clipped to its 320 x 640 size.
+    assert np.allclose(det.boxes_xyxy[2], [200, 300, 320, 640])
+    assert det.landmarks.shape == (3, 2, 2) and np.allclose(det.landmarks[0], np.array([[12, 13], [14, 15]]) / 1.6)
+    assert det.labels.tolist() == [0, 0, 0]
+
+
+@cpu_and_cuda()
+def test_no_detections(device):
+    dev = torch.device(device)
+    outputs = {"boxes": torch.zeros((0, 4), device=dev), "scores": torch.zeros((0,), device=dev),
+               "batch_index": torch.zeros((0,), dtype=torch.int64, device=dev),
+               "labels": torch.zeros((0,), dtype=torch.int64, device=dev)}
+    det = end_to_end(outputs, meta_for(device, [[1, 1]], [[10, 10]]), score_threshold=0.5, max_detections=5,
+                     num_landmarks=0)
+    assert len(det.scores) == 0 and det.landmarks is None and det.boxes_xyxy.shape == (0, 4)
+
+
+def test_contract_detection_lists_found_and_expected(tmp_path):
+    good = [TensorSpec("boxes", "tensor(float)", ("N", 4)), TensorSpec("scores", "tensor(float)", ("N",)),
+            TensorSpec("batch_index", "tensor(int64)", ("N",))]
+    assert detect_contract(good, "auto", tmp_path / "m.onnx") == "end_to_end"
+    bad = [TensorSpec("cls_logits", "tensor(float)", (1, 100, 80)), TensorSpec("bbox", "tensor(float)", (1, 100, 4))]
+    with pytest.raises(ModelError) as info:
+        detect_contract(bad, "auto", tmp_path / "m.onnx")
+    assert "cls_logits float [1, 100, 80]" in str(info.value) and "boxes (rank 2)" in str(info.value)

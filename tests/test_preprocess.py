@@ -1,0 +1,98 @@
+"""DALI preprocessing: letterbox geometry, normalisation, grayscale and PNG inputs."""
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline.device import Device
+from pipeline.preprocess import Preprocessor
+from pipeline.source import EncodedImage, ImageRef
+
+from conftest import SAMPLES, cpu_and_cuda
+
+
+def encode(image: Image.Image, fmt: str = "PNG", **kwargs) -> np.ndarray:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **kwargs)
+    return np.frombuffer(buf.getvalue(), np.uint8)
+
+
+def preprocessor(device: str, **overrides) -> Preprocessor:
+    args = dict(batch_size=4, num_threads=2, height=64, width=96, resize="letterbox", channel_order="RGB",
+                mean=[0, 0, 0], std=[1, 1, 1], pad_value=7, dtype="float32", layout="NCHW")
+    args.update(overrides)
+    return Preprocessor(device=Device("cuda", 0) if device == "cuda" else Device("cpu"), **args)
+
+
+def as_numpy(images) -> np.ndarray:
+    return np.asarray(images.as_cpu() if hasattr(images, "as_cpu") else images)
+
+
+@cpu_and_cuda()
+@pytest.mark.parametrize("height, width", [(300, 200), (200, 500), (127, 191), (64, 96), (10, 11)])
+def test_letterbox_geometry_portrait_landscape_odd(device, height, width):
+    # A white rectangle on black; after the letterbox it must sit at its original place x scale.
+    pixels = np.zeros((height, width, 3), np.uint8)
+    y0, y1, x0, x1 = height // 4, height // 2, width // 3, (2 * width) // 3
+    pixels[y0:y1, x0:x1] = 255
+    item = EncodedImage(ImageRef(0, "rect.png"), encode(Image.fromarray(pixels)))
+    batch = preprocessor(device).run([item])
+    scale = min(64 / height, 96 / width)
+    resized_h, resized_w = round(height * scale), round(width * scale)
+    assert batch.orig_hw.tolist() == [[height, width]]
+    assert np.allclose(batch.scale_yx[0], [resized_h / height, resized_w / width])
+    image = as_numpy(batch.images)[0]
+    assert image.shape == (3, 64, 96)
+    # Padding (right and bottom) holds pad_value; the content starts at the top-left corner.
+    assert (image[:, resized_h:, :] == 7).all() and (image[:, :, resized_w:] == 7).all()
+    sy, sx = batch.scale_yx[0]
+    cy, cx = int((y0 + y1) / 2 * sy), int((x0 + x1) / 2 * sx)
+    assert image[0, cy, cx] > 200
+    assert image[0, int(y1 * sy) + 2, cx] < 50 if int(y1 * sy) + 2 < resized_h else True
+
+
+@cpu_and_cuda()
+def test_grayscale_png_and_channel_order_and_normalisation(device):
+    gray = Image.open(SAMPLES / "camera.png")
+    assert gray.mode == "L"
+    rgb = Image.new("RGB", (96, 64), (10, 20, 30))
+    items = [EncodedImage(ImageRef(0, "camera.png"), encode(gray)),
+             EncodedImage(ImageRef(1, "rgb.jpg"), encode(rgb, "JPEG", quality=100))]
+    p = preprocessor(device, channel_order="BGR", mean=[1, 2, 3], std=[2, 2, 2], resize="stretch")
+    batch = p.run(items)
+    images = as_numpy(batch.images)
+    assert images.shape == (2, 3, 64, 96)
+    # Grayscale becomes 3 equal channels (before mean/std); BGR order puts blue first.
+    assert np.allclose(images[0, 0] * 2 + 1, images[0, 1] * 2 + 2, atol=1e-3)
+    assert np.allclose(images[1, :, 32, 48], [(30 - 1) / 2, (20 - 2) / 2, (10 - 3) / 2], atol=1.5)
+
+
+@cpu_and_cuda()
+def test_float16_and_nhwc(device):
+    p = preprocessor(device, dtype="float16", layout="NHWC")
+    item = EncodedImage(ImageRef(0, "china.jpg"), np.fromfile(SAMPLES / "china.jpg", np.uint8))
+    images = as_numpy(p.run([item]).images)
+    assert images.shape == (1, 64, 96, 3) and images.dtype == np.float16
+
+
+@cpu_and_cuda()
+def test_exif_orientation_is_applied(device):
+    display = Image.fromarray(np.asarray(Image.open(SAMPLES / "china.jpg"))[:, :300])  # 427 x 300 (h x w)
+    stored = display.transpose(Image.Transpose.ROTATE_90)  # what a camera held sideways writes
+    exif = Image.Exif()
+    exif[0x0112] = 6  # display = stored rotated 90 degrees clockwise
+    item = EncodedImage(ImageRef(0, "rotated.jpg"), encode(stored, "JPEG", quality=95, exif=exif.tobytes()))
+    batch = preprocessor(device).run([item])
+    assert batch.orig_hw.tolist() == [[427, 300]]
+
+
+def test_a_failed_run_needs_a_rebuild_and_then_works():
+    p = preprocessor("cpu")
+    good = EncodedImage(ImageRef(0, "china.jpg"), np.fromfile(SAMPLES / "china.jpg", np.uint8))
+    bad = EncodedImage(ImageRef(1, "bad.jpg"), np.frombuffer(b"\xff\xd8\xff" + b"\x00" * 100, np.uint8))
+    with pytest.raises(Exception):
+        p.run([good, bad])
+    p.rebuild()
+    assert p.run([good]).orig_hw.tolist() == [[427, 640]]
