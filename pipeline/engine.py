@@ -86,15 +86,20 @@ def find_image_input(inputs: list[TensorSpec], model_path: Path) -> ImageInput:
 class Engine:
     """An ORT session on one device with a reusable IOBinding."""
 
-    def __init__(self, model_path: str | Path, *, device: Device, scalars: dict[str, float | int]):
+    def __init__(self, model_path: str | Path, *, device: Device, scalars: dict[str, float | int],
+                 cuda_options: dict[str, str] | None = None):
         self.model_path = Path(model_path)
         self.device = device
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3  # placement notes go through `gpudet inspect`, not every run
+        # ORT's default logger warns at session creation about plugin EP discovery ("No registered
+        # plugin EP device found for 'CUDAExecutionProvider'") although the built-in CUDA EP loads.
+        ort.set_default_logger_severity(3)
         if device.is_cuda:
             ort.preload_dlls()  # the CUDA 13 / cuDNN 9 libraries torch's wheels brought
-            providers = [("CUDAExecutionProvider", {"device_id": device.index}), "CPUExecutionProvider"]
+            options_cuda = {"device_id": str(device.index), **(cuda_options or {})}
+            providers = [("CUDAExecutionProvider", options_cuda), "CPUExecutionProvider"]
         else:
             providers = ["CPUExecutionProvider"]
         try:

@@ -1,5 +1,6 @@
 """`gpudet detect` end to end, in-process and as a subprocess."""
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -113,5 +114,21 @@ def test_python_dash_m_and_the_console_script(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "1/1 images, 1 detections" in run.stdout
     assert len(read_jsonl(tmp_path / "o" / "detections.jsonl")) == 1
+    if importlib.metadata.packages_distributions().get("pipeline") is None:
+        pytest.skip("gpudet is not pip-installed here (PYTHONPATH checkout): no console script to check")
     gpudet = shutil.which("gpudet", path=os.path.dirname(sys.executable))
     assert gpudet and subprocess.run([gpudet, "--version"], capture_output=True, text=True).stdout.startswith("gpudet")
+
+
+@pytest.mark.cuda
+def test_gpu_and_cpu_give_the_same_detections(tmp_path):
+    for device in ("cpu", "cuda"):
+        assert detect(SAMPLES, "--out", tmp_path / device, "--device", device) == 0
+    cpu, gpu = (read_jsonl(tmp_path / d / "detections.jsonl") for d in ("cpu", "cuda"))
+    assert [r["path"] for r in cpu] == [r["path"] for r in gpu]
+    for a, b in zip(cpu, gpu):
+        assert len(a["detections"]) == len(b["detections"]), a["path"]
+        for da, db in zip(a["detections"], b["detections"]):
+            assert np.abs(np.array(da["box"]) - db["box"]).max() <= 2.0, (a["path"], da["box"], db["box"])
+            assert np.abs(np.array(da["landmarks"]) - db["landmarks"]).max() <= 2.0
+            assert abs(da["score"] - db["score"]) < 0.01

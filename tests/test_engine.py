@@ -119,8 +119,8 @@ def test_no_device_to_host_copy_of_model_outputs(tmp_path):
     from torch.profiler import ProfilerActivity, profile
 
     dev = Device("cuda", 0)
-    preprocessor, items = sample_batch(dev, batch_size=6)
-    items = items + [read_checked(r) for r in list_images(SAMPLES)[4:6]]
+    preprocessor, items = sample_batch(dev, batch_size=12)
+    items = [read_checked(r) for r in list_images(SAMPLES)] * 2  # 12 images
     # Many candidates: a low in-model threshold and a loose NMS give thousands of rows.
     engine = Engine(MODEL, device=dev, scalars={"score_threshold": 0.01, "iou_threshold": 0.95,
                                                 "max_detections": 750})
