@@ -3,15 +3,22 @@
 On a GPU the decoder runs as `device="mixed"` (nvJPEG, with the hardware decoder where there is
 one) and every later operator on the GPU; without one the same graph runs on DALI's CPU backend.
 
+Batches are submitted ahead (`submit`) and collected in order (`result`), so DALI decodes the
+next batches on its own threads while the caller runs the model on this one.
+
 Hand-off rules, where the batch leaves DALI (read before touching `PreprocessedBatch.images`):
-- `Preprocessor.run()` calls `Pipeline.run()` without a CUDA stream, so DALI waits for its own
-  stream before returning: the images are complete and may be read on any stream.
-- The buffer is DALI's and is valid only until the next `run()`. The engine consumes it (ORT
-  synchronizes its stream before returning) before the next batch is preprocessed.
+- `result()` asks DALI for outputs without a CUDA stream, so DALI waits for its own stream
+  before returning: the images are complete and may be read on any stream.
+- DALI's default (dynamic) executor hands out reference-counted buffers: the images stay valid
+  while `PreprocessedBatch` holds them, also while later batches run (a test checks this). The
+  engine binds that buffer itself through DLPack; nothing is copied.
+- A failed batch invalidates the pipeline and every batch submitted after it: `result()` then
+  raises PreprocessFailure with all of them, after rebuilding the pipeline.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -73,9 +80,17 @@ def _file_bytes_pipeline(decode_device: str, graph_args: dict):
     return images, original_shape, resized_shape, index
 
 
+class PreprocessFailure(RuntimeError):
+    """DALI failed on `failed`; `unfinished` were submitted after it and must be submitted again.
+    The pipeline has been rebuilt and is empty."""
+
+    def __init__(self, failed: list[EncodedImage], unfinished: list[list[EncodedImage]], cause: Exception):
+        super().__init__(str(cause))
+        self.failed, self.unfinished, self.cause = failed, unfinished, cause
+
+
 class Preprocessor:
-    """Runs the DALI graph on batches of encoded images. Rebuild after a failure (DALI cannot
-    continue a pipeline whose run() failed)."""
+    """Runs the DALI graph on batches of encoded images, several batches in flight."""
 
     def __init__(self, *, device: Device, batch_size: int, num_threads: int, height: int, width: int,
                  resize: Literal["letterbox", "stretch"], channel_order: Literal["RGB", "BGR"],
@@ -88,25 +103,42 @@ class Preprocessor:
             height=height, width=width, resize=resize, channel_order=channel_order, mean=list(mean),
             std=list(std), pad_value=pad_value, layout="CHW" if layout == "NCHW" else "HWC",
             dtype=types.FLOAT16 if dtype == "float16" else types.FLOAT)
+        self.in_flight: deque[list[EncodedImage]] = deque()
         self.pipe = self._build()
 
     def _build(self):
         pipe = _file_bytes_pipeline(
             batch_size=self.batch_size, num_threads=self.num_threads,
             device_id=self.device.index if self.device.is_cuda else None,
-            prefetch_queue_depth=1,  # batches are fed one at a time; see the module docstring
+            # Depth 1 and explicit schedule_run() per fed batch: the pipeline never asks for a
+            # batch that was not fed (a deeper prefetch would, at the end of the data).
+            prefetch_queue_depth=1,
             decode_device="mixed" if self.device.is_cuda else "cpu", graph_args=self.graph_args)
         pipe.build()
         return pipe
 
     def rebuild(self) -> None:
+        """A fresh pipeline: DALI cannot continue one whose run failed."""
+        self.in_flight.clear()
         self.pipe = self._build()
 
-    def run(self, batch: list[EncodedImage]) -> PreprocessedBatch:
-        """Decode and preprocess `batch` (1..batch_size images). Raises on a decode failure."""
+    def submit(self, batch: list[EncodedImage]) -> None:
+        """Start preprocessing `batch` (1..batch_size images) without waiting for it."""
+        assert 0 < len(batch) <= self.batch_size
         self.pipe.feed_input("encoded", [item.data for item in batch])
         self.pipe.feed_input("index", [np.array(item.ref.index, dtype=np.int64) for item in batch])
-        images, original_shape, resized_shape, index = self.pipe.run()
+        self.pipe.schedule_run()
+        self.in_flight.append(batch)
+
+    def result(self) -> PreprocessedBatch:
+        """The oldest submitted batch, preprocessed. Raises PreprocessFailure if DALI failed on it."""
+        batch = self.in_flight.popleft()
+        try:
+            images, original_shape, resized_shape, index = self.pipe.outputs()
+        except Exception as e:  # DALI raises RuntimeError/IndexError/...; the pipeline is dead
+            unfinished = list(self.in_flight)
+            self.rebuild()
+            raise PreprocessFailure(batch, unfinished, e) from e
         returned = np.array(index.as_tensor()).reshape(-1)
         expected = [item.ref.index for item in batch]
         assert returned.tolist() == expected, f"DALI returned batch {returned.tolist()}, fed {expected}"
@@ -115,3 +147,9 @@ class Preprocessor:
         return PreprocessedBatch(
             images=images.as_tensor(), refs=[item.ref for item in batch], orig_hw=orig_hw,
             scale_yx=resized_hw / orig_hw.astype(np.float32), pad_yx=np.zeros_like(resized_hw))
+
+    def run(self, batch: list[EncodedImage]) -> PreprocessedBatch:
+        """Preprocess one batch and wait for it (nothing else may be in flight)."""
+        assert not self.in_flight
+        self.submit(batch)
+        return self.result()

@@ -8,10 +8,10 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from .config import Config, resolve_model_path
 from .device import Device, resolve_device
 from .engine import Engine, ImageInput
 from .postprocess import detect_contract, end_to_end, to_device_meta
-from .preprocess import PreprocessedBatch, Preprocessor
+from .preprocess import PreprocessedBatch, PreprocessFailure, Preprocessor
 from .sinks import JsonlWriter, detection_records, errors_records, write_json_atomic
 from .source import EncodedImage, ImageError, ImageRef, list_images, read_batches
 
@@ -28,18 +28,33 @@ from .source import EncodedImage, ImageError, ImageRef, list_images, read_batche
 _END = object()
 
 
-@dataclass
 class StageClock:
-    """Wall time per stage. Stages end in a host sync (DALI run, ORT run, the D2H copy), so host
-    clocks measure them."""
+    """Main-thread wall time per stage, exclusive: time inside a nested stage (the source read
+    while preprocessing asks for the next batch) counts only for the inner one. Stages overlap on
+    the device (DALI decodes ahead on its own threads), so these are the times the loop waited
+    on each stage; they add up to the loop's time."""
 
-    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._stack: list[str] = []
+        self._since = 0.0
+
+    def _charge(self) -> float:
+        now = time.perf_counter()
+        if self._stack:
+            self.seconds[self._stack[-1]] += now - self._since
+        self._since = now
+        return now
 
     @contextmanager
     def __call__(self, stage: str):
-        start = time.perf_counter()
-        yield
-        self.seconds[stage] += time.perf_counter() - start
+        self._charge()
+        self._stack.append(stage)
+        try:
+            yield
+        finally:
+            self._charge()
+            self._stack.pop()
 
     def timed(self, iterable: Iterable, stage: str) -> Iterator:
         """Iterate `iterable`, counting the time spent producing each item under `stage`."""
@@ -66,31 +81,59 @@ def preprocessor_args(config: Config, image_input: ImageInput) -> dict:
                 dtype=image_input.dtype, layout=image_input.layout)
 
 
-def preprocess_isolating(preprocessor: Preprocessor, items: list[EncodedImage],
-                         on_error: Callable[[list[ImageError]], None]) -> Iterator[PreprocessedBatch]:
-    """Preprocess `items`; if DALI fails, rebuild it and retry in halves down to single images.
+def decode_failed(item: EncodedImage, cause: Exception) -> ImageError:
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    # DALI's message is a stack of "Critical error in pipeline" lines; keep the informative one.
+    detail = next((line for line in lines if "rror" in line and "pipeline" not in line.lower()),
+                  lines[-1] if lines else type(cause).__name__)
+    return ImageError(item.ref.index, item.ref.path, "decode_failed", f"cannot decode: {detail[:300]}")
 
-    Yields the batches that succeeded (each must be consumed before the next is produced: DALI
-    reuses its buffers); reports the images that fail alone as `decode_failed`.
+
+def isolate(preprocessor: Preprocessor, items: list[EncodedImage],
+            on_error: Callable[[list[ImageError]], None]) -> Iterator[PreprocessedBatch]:
+    """Retry a failed group in halves, one at a time, down to single images; report those."""
+    if len(items) == 1:
+        on_error([decode_failed(items[0], RuntimeError("the decoder rejected this image"))])
+        return
+    half = len(items) // 2
+    for part in (items[:half], items[half:]):
+        try:
+            yield preprocessor.run(part)
+        except PreprocessFailure as failure:
+            if len(part) == 1:
+                on_error([decode_failed(part[0], failure.cause)])
+            else:
+                yield from isolate(preprocessor, part, on_error)
+
+
+def preprocess_stream(preprocessor: Preprocessor, batches: Iterable[list[EncodedImage]],
+                      on_error: Callable[[list[ImageError]], None], *, depth: int = 2
+                      ) -> Iterator[PreprocessedBatch]:
+    """Preprocessed batches, in order, with `depth` batches in flight in DALI.
+
+    When DALI fails on a batch, the batches submitted after it are submitted again and the
+    failed one is retried in halves until only the images that fail alone are left; those are
+    reported as decode_failed. Every good image comes out exactly once.
     """
-    if not items:
-        return
-    try:
-        batch = preprocessor.run(items)
-    except Exception as e:  # DALI raises RuntimeError/IndexError/...; any of them fails this group
-        preprocessor.rebuild()
-        if len(items) == 1:
-            ref = items[0].ref
-            message = str(e).strip().splitlines()
-            detail = next((line for line in message if "rror" in line and "pipeline" not in line.lower()),
-                          message[-1] if message else type(e).__name__)
-            on_error([ImageError(ref.index, ref.path, "decode_failed", f"cannot decode: {detail.strip()[:300]}")])
+    retry: deque[list[EncodedImage]] = deque()
+    source = iter(batches)
+    while True:
+        while len(preprocessor.in_flight) < depth:
+            batch = retry.popleft() if retry else next(source, None)
+            if batch is None:
+                break
+            if batch:
+                preprocessor.submit(batch)
+        if not preprocessor.in_flight:
             return
-        half = len(items) // 2
-        yield from preprocess_isolating(preprocessor, items[:half], on_error)
-        yield from preprocess_isolating(preprocessor, items[half:], on_error)
-        return
-    yield batch
+        try:
+            yield preprocessor.result()
+        except PreprocessFailure as failure:
+            retry.extendleft(reversed(failure.unfinished))
+            if len(failure.failed) == 1:
+                on_error([decode_failed(failure.failed[0], failure.cause)])
+            else:
+                yield from isolate(preprocessor, failure.failed, on_error)
 
 
 def file_sha256(path: Path) -> str:
@@ -133,22 +176,24 @@ def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | 
             errors.append(errors_records(failed))
             bar.update(len(failed))
 
-        batches = read_batches(refs, batch_size=config.run.batch_size, num_threads=config.run.num_threads)
-        for items in clock.timed(batches, "read"):  # source: bytes + cheap checks, read ahead on threads
-            record_errors([i for i in items if isinstance(i, ImageError)])
-            good = [i for i in items if isinstance(i, EncodedImage)]
-            for batch in clock.timed(preprocess_isolating(preprocessor, good, record_errors), "preprocess"):  # DALI
-                with clock("engine"):  # ORT: DALI's buffer bound via DLPack, outputs stay on the device
-                    outputs = engine.run(batch.images)
-                with clock("postprocess"):  # torch on the device; one copy of final detections to the host
-                    meta = to_device_meta(batch.scale_yx, batch.pad_yx, batch.orig_hw, device.torch)
-                    detections = end_to_end(outputs, meta, score_threshold=config.postprocess.score_threshold,
-                                            max_detections=config.postprocess.max_detections,
-                                            num_landmarks=num_landmarks)
-                with clock("write"):  # sinks: one JSONL record per image
-                    results.append(detection_records(batch, detections, config.model.labels))
-                num_detections += len(detections.scores)
-                bar.update(len(batch.refs))
+        def checked_batches() -> Iterator[list[EncodedImage]]:
+            for items in clock.timed(read_batches(refs, batch_size=config.run.batch_size,
+                                                  num_threads=config.run.num_threads), "read"):
+                record_errors([i for i in items if isinstance(i, ImageError)])
+                yield [i for i in items if isinstance(i, EncodedImage)]
+
+        # source: bytes read ahead on threads, cheap checks -> preprocess: DALI, 2 batches in flight
+        for batch in clock.timed(preprocess_stream(preprocessor, checked_batches(), record_errors), "preprocess"):
+            with clock("engine"):  # ORT: DALI's buffer bound via DLPack, outputs stay on the device
+                outputs = engine.run(batch.images)
+            with clock("postprocess"):  # torch on the device; one copy of final detections to the host
+                meta = to_device_meta(batch.scale_yx, batch.pad_yx, batch.orig_hw, device.torch)
+                detections = end_to_end(outputs, meta, score_threshold=config.postprocess.score_threshold,
+                                        max_detections=config.postprocess.max_detections, num_landmarks=num_landmarks)
+            with clock("write"):  # sinks: one JSONL record per image
+                results.append(detection_records(batch, detections, config.model.labels))
+            num_detections += len(detections.scores)
+            bar.update(len(batch.refs))
 
     elapsed = time.perf_counter() - t0
     processed = results.count
