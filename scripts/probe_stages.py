@@ -42,8 +42,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--cuda-option", action="append", default=[])
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--model", help="another ONNX model (e.g. build_retinaface.py --heads-only output)")
     args = parser.parse_args()
-    config = load_config(None, args.overrides + [f"run.batch_size={args.batch_size}"])
+    extra = [f"model.path={args.model}"] if args.model else []
+    config = load_config(None, args.overrides + extra + [f"run.batch_size={args.batch_size}"])
     device = resolve_device(args.device)
     cuda_options = dict(o.split("=", 1) for o in args.cuda_option)
     engine = Engine(resolve_model_path(config), device=device, cuda_options=cuda_options, **engine_args(config))
@@ -54,13 +56,38 @@ def main() -> None:
     batch = preprocessor.run(items)
     engine_s = timed(lambda: engine.run(batch.images), args.iters)
     outputs = engine.run(batch.images)
-    meta = to_device_meta(batch.scale_yx, batch.pad_yx, batch.orig_hw, device.torch)
-    post_s = timed(lambda: end_to_end(outputs, meta, score_threshold=config.postprocess.score_threshold,
-                                      max_detections=config.postprocess.max_detections, num_landmarks=5), args.iters)
+    stages = [("preprocess", pre_s), ("engine", engine_s)]
+    if "boxes" in outputs:
+        meta = to_device_meta(batch.scale_yx, batch.pad_yx, batch.orig_hw, device.torch)
+        stages.append(("postprocess", timed(lambda: end_to_end(
+            outputs, meta, score_threshold=config.postprocess.score_threshold,
+            max_detections=config.postprocess.max_detections, num_landmarks=5), args.iters)))
     n = len(items)
-    print(f"device {device.describe()} batch {n} cuda_options {cuda_options or '{}'} rows {outputs['boxes'].shape[0]}")
-    for name, s in (("preprocess", pre_s), ("engine", engine_s), ("postprocess", post_s)):
+    print(f"{engine.model_path.name} on {device.describe()}, batch {n}, input {engine.inputs[0].describe()}, "
+          f"cuda_options {cuda_options or '{}'}, Memcpy nodes {count_memcpy_nodes(engine, cuda_options, True)} "
+          f"(without the size override {count_memcpy_nodes(engine, cuda_options, False)})")
+    for name, s in stages:
         print(f"  {name:<12} {s * 1e3:8.2f} ms/batch {n / s:9.0f} img/s")
+
+
+def count_memcpy_nodes(engine: Engine, cuda_options: dict, fixed_size: bool) -> int | None:
+    """Memcpy nodes ORT inserts between its CUDA and CPU kernels (host round trips per run)."""
+    if not engine.device.is_cuda:
+        return None
+    import tempfile
+
+    import onnx
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = f"{tmp}/optimized.onnx"
+        spec = engine.image_input
+        for dim, value in zip(("height", "width"), (spec.size_hw or ()) if fixed_size else ()):
+            options.add_free_dimension_override_by_name(dim, value)
+        ort.InferenceSession(str(engine.model_path), options, providers=[
+            ("CUDAExecutionProvider", {"device_id": str(engine.device.index), **cuda_options})])
+        return sum(n.op_type.startswith("Memcpy") for n in onnx.load(f"{tmp}/optimized.onnx").graph.node)
 
 
 if __name__ == "__main__":

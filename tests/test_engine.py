@@ -1,5 +1,6 @@
 """Engine: IOBinding through DLPack, static-output buffers reused, dynamic outputs on the device."""
 
+import importlib.util
 import json
 
 import numpy as np
@@ -23,25 +24,12 @@ ANCHORS_640 = (80 * 80 + 40 * 40 + 20 * 20) * 2
 
 @pytest.fixture(scope="module")
 def heads_model(tmp_path_factory):
-    """The raw RetinaFace heads with static shapes (batch symbolic): a static-output model."""
-    # Drop what scripts/build_retinaface.py appended (nodes and constants named post/...).
-    model = onnx.load(str(MODEL))
-    graph = model.graph
-    keep_nodes = [n for n in graph.node if not n.name.startswith("post/")]
-    keep_init = [i for i in graph.initializer if not i.name.startswith("post/")]
-    del graph.node[:], graph.initializer[:], graph.output[:]
-    graph.node.extend(keep_nodes)
-    graph.initializer.extend(keep_init)
-    inputs = [i for i in graph.input if i.name == "input"]
-    del graph.input[:]
-    graph.input.extend(inputs)
-    graph.input[0].type.tensor_type.shape.dim[2].dim_value = 640
-    graph.input[0].type.tensor_type.shape.dim[3].dim_value = 640
-    for name, width in (("loc", 4), ("conf", 2), ("landmarks_raw", 10)):
-        graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT,
-                                                               ["batch_size", ANCHORS_640, width]))
+    """The raw RetinaFace heads with a static 640x640 input (batch symbolic): a static-output model."""
+    spec = importlib.util.spec_from_file_location("build_retinaface", ROOT / "scripts" / "build_retinaface.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
     path = tmp_path_factory.mktemp("m") / "heads.onnx"
-    onnx.save(model, str(path))
+    onnx.save(build.heads_only(onnx.load(str(MODEL)), 640, 640), str(path))
     return path
 
 
@@ -93,6 +81,12 @@ def test_static_outputs_reuse_preallocated_buffers_across_batches(device, heads_
     out = engine.run(preprocessor.run(items[:1]).images)
     again = engine.run(preprocessor.run(items[1:2]).images)
     assert out["loc"].shape[0] == 1 and out["loc"].data_ptr() == again["loc"].data_ptr() != pointers[0]["loc"]
+
+
+def test_a_dynamic_input_size_is_fixed_at_load_time():
+    engine = Engine(MODEL, device=Device("cpu"), scalars=SCALARS, input_size_hw=(480, 320))
+    assert engine.image_input.size_hw == (480, 320)
+    assert Engine(MODEL, device=Device("cpu"), scalars=SCALARS).image_input.size_hw is None
 
 
 def test_model_with_an_unusable_input_is_refused_with_what_was_found(tmp_path):
