@@ -65,10 +65,11 @@ def to_device_meta(scale_yx: np.ndarray, pad_yx: np.ndarray, orig_hw: np.ndarray
 
 
 def end_to_end(outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, score_threshold: float,
-               max_detections: int, num_landmarks: int) -> Detections:
+               max_detections: int, num_landmarks: int, num_images: int | None = None) -> Detections:
     """Threshold, cap per image, undo the resize/letterbox and clip; copy the result to the host.
 
     outputs: the end-to-end contract's tensors, on the device. meta: [B, 6] from to_device_meta.
+    num_images: rows of the batch that are real images (the rest pad the batch); default all.
     """
     scores = outputs["scores"].float()
     image = outputs["batch_index"].long()
@@ -93,6 +94,8 @@ def end_to_end(outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, score_th
     first_row = torch.cumsum(counts, 0) - counts
     rank = torch.arange(len(order), device=scores.device) - first_row[image[order]]
     keep = (scores[order] >= score_threshold) & (rank < max_detections)
+    if num_images is not None:
+        keep &= image[order] < num_images
     rows = torch.cat(columns, dim=1)[order[keep]].cpu().numpy()  # the one device->host copy
     return Detections(
         batch_index=rows[:, 0].astype(np.int64), labels=rows[:, 1].astype(np.int64), scores=rows[:, 2].copy(),

@@ -74,12 +74,12 @@ def engine_args(config: Config) -> dict:
                 input_size_hw=tuple(config.preprocess.size))
 
 
-def preprocessor_args(config: Config, image_input: ImageInput) -> dict:
+def preprocessor_args(config: Config, image_input: ImageInput, device: Device) -> dict:
     p = config.preprocess
     height, width = image_input.size_hw or tuple(p.size)
     return dict(batch_size=config.run.batch_size, num_threads=config.run.num_threads, height=height, width=width,
                 resize=p.resize, channel_order=p.channel_order, mean=p.mean, std=p.std, pad_value=p.pad_value,
-                dtype=image_input.dtype, layout=image_input.layout)
+                dtype=image_input.dtype, layout=image_input.layout, pad_partial_batches=device.is_cuda)
 
 
 def decode_failed(item: EncodedImage, cause: Exception) -> ImageError:
@@ -159,7 +159,8 @@ def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | 
     model_path = resolve_model_path(config)
     engine = Engine(model_path, device=device, **engine_args(config))
     contract = detect_contract(engine.outputs, config.model.contract, model_path)
-    preprocessor = Preprocessor(device=device, **preprocessor_args(config, engine.image_input))
+    preprocessor = Preprocessor(device=device, **preprocessor_args(config, engine.image_input, device))
+    engine.warm_up(config.run.batch_size, engine.image_input.size_hw or tuple(config.preprocess.size))
     num_landmarks = config.model.landmarks if "landmarks" in {s.name for s in engine.outputs} else 0
     clock = StageClock()
     reasons: dict[str, int] = defaultdict(int)
@@ -190,7 +191,8 @@ def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | 
             with clock("postprocess"):  # torch on the device; one copy of final detections to the host
                 meta = to_device_meta(batch.scale_yx, batch.pad_yx, batch.orig_hw, device.torch)
                 detections = end_to_end(outputs, meta, score_threshold=config.postprocess.score_threshold,
-                                        max_detections=config.postprocess.max_detections, num_landmarks=num_landmarks)
+                                        max_detections=config.postprocess.max_detections, num_landmarks=num_landmarks,
+                                        num_images=len(batch.refs))
             with clock("write"):  # sinks: one JSONL record per image
                 results.append(detection_records(batch, detections, config.model.labels))
             num_detections += len(detections.scores)

