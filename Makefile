@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/gpudet detect samples --out runs/demo
+	$(BIN)/gpudet detect samples --out runs/demo --overwrite
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import traceback
 
@@ -35,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="override any config key, e.g. --set postprocess.score_threshold=0.5 (repeatable)")
     detect.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bar (default: only on a terminal)")
+    again = detect.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="continue a run in --out: skip images already in detections.jsonl or errors.jsonl")
+    again.add_argument("--overwrite", action="store_true", help="start again, replacing results already in --out")
     return parser
 
 
@@ -50,14 +55,22 @@ def cmd_detect(args: argparse.Namespace) -> int:
     if args.batch_size is not None:
         overrides.append(f"run.batch_size={args.batch_size}")
     config = load_config(args.config, overrides)
-    result = run_detect(args.source, args.out, config, root=args.root, progress=args.progress)
+    result = run_detect(args.source, args.out, config, root=args.root, progress=args.progress, resume=args.resume,
+                        overwrite=args.overwrite)
     s = result.summary
     stages = ", ".join(f"{k} {v:.2f}s" for k, v in s["seconds"].items() if k != "total")
-    print(f"gpudet: {s['processed']}/{s['images']} images, {s['detections']} detections, {s['failed']} failed "
+    if s["interrupted"]:
+        print("gpudet: interrupted; results so far are complete; continue with --resume", file=sys.stderr)
+    done = f" (+{s['already_done']} done before)" if s["already_done"] else ""
+    print(f"gpudet: {s['processed']}/{s['images']} images{done}, {s['detections']} detections, {s['failed']} failed "
           f"in {s['seconds']['total']:.2f}s ({s['images_per_s']} img/s on {s['device']})\n"
           f"        stages: {stages}\n"
           f"        results in {s['out']}/detections.jsonl" + (f", errors in {s['out']}/errors.jsonl" if s["failed"] else ""))
     return result.exit_code
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,11 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .device import DeviceError
     from .engine import ModelError
+    from .runner import OutputExistsError
     from .source import SourceError
 
+    # SIGTERM (a scheduler stopping the job) stops as cleanly as Ctrl-C: whole records, a summary.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         return {"detect": cmd_detect}[args.command](args)
-    except (ConfigError, DeviceError, ModelError, SourceError) as e:
+    except (ConfigError, DeviceError, ModelError, SourceError, OutputExistsError) as e:
         print(f"gpudet: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -45,6 +45,9 @@ class PreprocessConfig:
     std: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
     pad_value: float = 0.0
     """Pixel value (0..255, before normalisation) of the letterbox padding."""
+    max_pixels: int = 100_000_000
+    """Refuse (too_large) images whose header declares more pixels: 100 MP decodes to 300 MB.
+    0 turns the check off."""
 
 
 @dataclass
@@ -88,6 +91,7 @@ class Config:
         need(len(p.size) == 2 and all(v > 0 for v in p.size), "preprocess.size", "needs [height, width] > 0")
         need(len(p.mean) == 3, "preprocess.mean", "needs 3 values, one per channel")
         need(len(p.std) == 3 and all(v > 0 for v in p.std), "preprocess.std", "needs 3 values > 0")
+        need(p.max_pixels >= 0, "preprocess.max_pixels", "must be >= 0 (0: no limit)")
         q = self.postprocess
         need(0.0 <= q.score_threshold <= 1.0, "postprocess.score_threshold", "must be in [0, 1]")
         need(0.0 < q.iou_threshold <= 1.0, "postprocess.iou_threshold", "must be in (0, 1]")

@@ -6,12 +6,13 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from .device import Device, resolve_device
 from .engine import Engine, ImageInput
 from .postprocess import detect_contract, end_to_end, to_device_meta
 from .preprocess import PreprocessedBatch, PreprocessFailure, Preprocessor
-from .sinks import JsonlWriter, detection_records, errors_records, write_json_atomic
+from .sinks import JsonlWriter, detection_records, errors_records, read_complete_records, write_json_atomic
 from .source import EncodedImage, ImageError, ImageRef, list_images, read_batches
 
 
@@ -83,11 +84,15 @@ def preprocessor_args(config: Config, image_input: ImageInput, device: Device) -
 
 
 def decode_failed(item: EncodedImage, cause: Exception) -> ImageError:
-    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-    # DALI's message is a stack of "Critical error in pipeline" lines; keep the informative one.
-    detail = next((line for line in lines if "rror" in line and "pipeline" not in line.lower()),
-                  lines[-1] if lines else type(cause).__name__)
-    return ImageError(item.ref.index, item.ref.path, "decode_failed", f"cannot decode: {detail[:300]}")
+    """The error record of an image the decoder rejected, with the useful part of DALI's message."""
+    text = str(cause)
+    # DALI's message: "Critical error in pipeline: ... Error in <operator> ... encountered: <what>".
+    operator = re.search(r"Error in \w+ operator `([^`]+)`", text)
+    what = text.split("encountered:", 1)[1].strip().splitlines()[0] if "encountered:" in text else text.strip()
+    what = re.sub(r"\s*sample #\d+\s*:?\s*$", "", what).strip() or "rejected"
+    where = f" ({operator.group(1)})" if operator else ""
+    return ImageError(item.ref.index, item.ref.path, "decode_failed",
+                      f"cannot decode{where}: {what[:300]}; the file is corrupt or truncated")
 
 
 def isolate(preprocessor: Preprocessor, items: list[EncodedImage],
@@ -141,49 +146,70 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+class OutputExistsError(ValueError):
+    """--out already holds results and neither --resume nor --overwrite was given."""
+
+
+@dataclass
+class Tally:
+    """What one run did, for the summary and the exit code."""
+
+    processed: int = 0
+    failed: int = 0
+    detections: int = 0
+    interrupted: bool = False
+    failed_by_reason: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
 @dataclass
 class RunResult:
     summary: dict
-    exit_code: int  # 0: every image processed; 3: finished, some images failed
+    exit_code: int  # 0: every image processed; 3: finished, some images failed; 130: interrupted
 
 
-def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | None = None,
-               progress: bool | None = None) -> RunResult:
-    """Detect on every image of `source`, streaming results into `out_dir`."""
-    started = datetime.now(timezone.utc)
-    t0 = time.perf_counter()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    refs: list[ImageRef] = list_images(source, root=root)
-    device: Device = resolve_device(config.run.device)
-    model_path = resolve_model_path(config)
-    engine = Engine(model_path, device=device, **engine_args(config))
-    contract = detect_contract(engine.outputs, config.model.contract, model_path)
-    preprocessor = Preprocessor(device=device, **preprocessor_args(config, engine.image_input, device))
-    engine.warm_up(config.run.batch_size, engine.image_input.size_hw or tuple(config.preprocess.size))
+RESULT_FILES = ("detections.jsonl", "errors.jsonl")
+
+
+def images_to_do(out: Path, refs: list[ImageRef], *, resume: bool, overwrite: bool) -> list[ImageRef]:
+    """The images this run must process: all, or with --resume those not yet recorded in `out`."""
+    existing = [out / name for name in RESULT_FILES if (out / name).exists() and (out / name).stat().st_size]
+    if not existing or overwrite:
+        return refs
+    if not resume:
+        raise OutputExistsError(f"{existing[0]} already holds results; pass --resume to process only the images "
+                                "not yet recorded there, or --overwrite to start again")
+    done: set[int] = set()
+    for path in existing:
+        for record in read_complete_records(path):
+            index = record.get("index")
+            if not isinstance(index, int) or index >= len(refs) or refs[index].path != record.get("path"):
+                raise OutputExistsError(
+                    f"{path}: record {record.get('index')} ({record.get('path')}) does not match this source's "
+                    f"image {index}; resume with the same source (and --root), or use --overwrite")
+            done.add(index)
+    return [r for r in refs if r.index not in done]
+
+
+def detect_loop(todo: list[ImageRef], *, config: Config, device: Device, engine: Engine, preprocessor: Preprocessor,
+                results: JsonlWriter, errors: JsonlWriter, clock: StageClock, bar) -> Tally:
+    """The data path, batch by batch; every image ends in exactly one of the two files."""
+    tally = Tally()
     num_landmarks = config.model.landmarks if "landmarks" in {s.name for s in engine.outputs} else 0
-    clock = StageClock()
-    reasons: dict[str, int] = defaultdict(int)
-    num_detections = 0
-    show = sys.stderr.isatty() if progress is None else progress
-    from tqdm import tqdm
 
-    setup_s = time.perf_counter() - t0
-    with JsonlWriter(out / "detections.jsonl") as results, JsonlWriter(out / "errors.jsonl") as errors, \
-            tqdm(total=len(refs), unit="img", disable=not show, dynamic_ncols=True) as bar:
+    def record_errors(failed: list[ImageError]) -> None:
+        for e in failed:
+            tally.failed_by_reason[e.reason] += 1
+        tally.failed += len(failed)
+        errors.append(errors_records(failed))
+        bar.update(len(failed))
 
-        def record_errors(failed: list[ImageError]) -> None:
-            for e in failed:
-                reasons[e.reason] += 1
-            errors.append(errors_records(failed))
-            bar.update(len(failed))
+    def checked_batches() -> Iterator[list[EncodedImage]]:
+        for items in clock.timed(read_batches(todo, batch_size=config.run.batch_size, num_threads=config.run.num_threads,
+                                              max_pixels=config.preprocess.max_pixels), "read"):
+            record_errors([i for i in items if isinstance(i, ImageError)])
+            yield [i for i in items if isinstance(i, EncodedImage)]
 
-        def checked_batches() -> Iterator[list[EncodedImage]]:
-            for items in clock.timed(read_batches(refs, batch_size=config.run.batch_size,
-                                                  num_threads=config.run.num_threads), "read"):
-                record_errors([i for i in items if isinstance(i, ImageError)])
-                yield [i for i in items if isinstance(i, EncodedImage)]
-
+    try:
         # source: bytes read ahead on threads, cheap checks -> preprocess: DALI, 2 batches in flight
         for batch in clock.timed(preprocess_stream(preprocessor, checked_batches(), record_errors), "preprocess"):
             with clock("engine"):  # ORT: DALI's buffer bound via DLPack, outputs stay on the device
@@ -191,27 +217,58 @@ def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | 
             with clock("postprocess"):  # torch on the device; one copy of final detections to the host
                 meta = to_device_meta(batch.scale_yx, batch.pad_yx, batch.orig_hw, device.torch)
                 detections = end_to_end(outputs, meta, score_threshold=config.postprocess.score_threshold,
-                                        max_detections=config.postprocess.max_detections, num_landmarks=num_landmarks,
-                                        num_images=len(batch.refs))
+                                        max_detections=config.postprocess.max_detections,
+                                        num_landmarks=num_landmarks, num_images=len(batch.refs))
             with clock("write"):  # sinks: one JSONL record per image
                 results.append(detection_records(batch, detections, config.model.labels))
-            num_detections += len(detections.scores)
+            tally.processed += len(batch.refs)
+            tally.detections += len(detections.scores)
             bar.update(len(batch.refs))
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was written stays; --resume continues
+        tally.interrupted = True
+    return tally
 
+
+def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | None = None,
+               progress: bool | None = None, resume: bool = False, overwrite: bool = False) -> RunResult:
+    """Detect on every image of `source`, streaming results into `out_dir`."""
+    started = datetime.now(timezone.utc)
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    refs: list[ImageRef] = list_images(source, root=root)
+    todo = images_to_do(out, refs, resume=resume, overwrite=overwrite)
+    device: Device = resolve_device(config.run.device)
+    model_path = resolve_model_path(config)
+    engine = Engine(model_path, device=device, **engine_args(config))
+    contract = detect_contract(engine.outputs, config.model.contract, model_path)
+    preprocessor = Preprocessor(device=device, **preprocessor_args(config, engine.image_input, device))
+    engine.warm_up(config.run.batch_size, engine.image_input.size_hw or tuple(config.preprocess.size))
+    clock = StageClock()
+    show = sys.stderr.isatty() if progress is None else progress
+    from tqdm import tqdm
+
+    setup_s = time.perf_counter() - t0
+    with JsonlWriter(out / RESULT_FILES[0], append=resume) as results, \
+            JsonlWriter(out / RESULT_FILES[1], append=resume) as errors, \
+            tqdm(total=len(todo), unit="img", disable=not show, dynamic_ncols=True) as bar:
+        tally = detect_loop(todo, config=config, device=device, engine=engine, preprocessor=preprocessor,
+                            results=results, errors=errors, clock=clock, bar=bar)
     elapsed = time.perf_counter() - t0
-    processed = results.count
     summary = {
         "gpudet": __version__,
         "source": str(source),
         "out": str(out),
         "images": len(refs),
-        "processed": processed,
-        "failed": errors.count,
-        "failed_by_reason": dict(reasons),
-        "detections": num_detections,
+        "already_done": len(refs) - len(todo),
+        "processed": tally.processed,
+        "failed": tally.failed,
+        "failed_by_reason": dict(tally.failed_by_reason),
+        "detections": tally.detections,
+        "interrupted": tally.interrupted,
         "seconds": {"total": round(elapsed, 4), "setup": round(setup_s, 4),
                     **{k: round(v, 4) for k, v in clock.seconds.items()}},
-        "images_per_s": round(processed / max(elapsed - setup_s, 1e-9), 2),
+        "images_per_s": round((tally.processed + tally.failed) / max(elapsed - setup_s, 1e-9), 2),
         "device": device.describe(),
         "model": {"path": str(model_path), "sha256": file_sha256(model_path), "contract": contract,
                   "inputs": [s.describe() for s in engine.inputs], "outputs": [s.describe() for s in engine.outputs],
@@ -221,4 +278,5 @@ def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | 
         "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     write_json_atomic(out / "summary.json", summary)
-    return RunResult(summary=summary, exit_code=0 if errors.count == 0 else 3)
+    exit_code = 130 if tally.interrupted else 3 if tally.failed else 0
+    return RunResult(summary=summary, exit_code=exit_code)

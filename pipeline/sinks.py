@@ -41,21 +41,40 @@ def detection_records(batch: PreprocessedBatch, detections: Detections, label_na
     return records
 
 
-class JsonlWriter:
-    """Append-only JSONL file; use as a context manager, `append(records)` once per batch."""
+def read_complete_records(path: Path) -> list[dict]:
+    """The complete records of a JSONL file left by an earlier run, killed or not.
 
-    def __init__(self, path: Path):
+    A kill can only leave an unterminated last line (each batch is one write of whole lines);
+    that tail is cut off the file, so appending continues on a record boundary."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+    return [json.loads(line) for line in data[:end].decode("utf-8").splitlines() if line.strip()]
+
+
+class JsonlWriter:
+    """Append-only JSONL file; use as a context manager, `append(records)` once per batch.
+    append=True continues an existing file (resume); otherwise the file starts empty."""
+
+    def __init__(self, path: Path, *, append: bool = False):
         self.path = path
+        self.append_mode = append
         self.count = 0
         self._file: TextIO | None = None
 
     def __enter__(self) -> JsonlWriter:
-        self._file = open(self.path, "w", encoding="utf-8")
+        self._file = open(self.path, "a" if self.append_mode else "w", encoding="utf-8")
         return self
 
     def append(self, records: list[dict]) -> None:
         if not records:
             return
+        # One write of whole lines per batch, flushed: a kill leaves at most a torn last line,
+        # which read_complete_records removes on --resume.
         self._file.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         self._file.flush()
         self.count += len(records)

@@ -47,7 +47,8 @@ class ImageError:
     index: int
     path: str
     reason: str
-    """Stable code: missing, not_a_file, unreadable, empty, unknown_format, decode_failed, ..."""
+    """Stable code: missing, not_a_file, unreadable, empty, unknown_format, bad_header, too_large,
+    decode_failed (README, "When things go wrong")."""
     message: str
 
     def to_record(self) -> dict:
@@ -102,8 +103,95 @@ def sniff_format(head: bytes) -> str | None:
     return None
 
 
-def read_checked(ref: ImageRef) -> EncodedImage | ImageError:
-    """Read one file and reject what cannot be an image, cheaply, before it reaches the decoder."""
+def _jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from the first SOF marker; None if the header ends before one."""
+    i = 2
+    while i + 4 <= len(data):
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:  # standalone markers
+            i += 2
+            continue
+        if marker in (0xD9, 0xDA):  # end of image / start of scan before any frame header
+            return None
+        length = int.from_bytes(data[i + 2:i + 4], "big")
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC) and i + 9 <= len(data):
+            return int.from_bytes(data[i + 7:i + 9], "big"), int.from_bytes(data[i + 5:i + 7], "big")
+        i += 2 + length
+    return None
+
+
+def _tiff_size(data: bytes) -> tuple[int, int] | None:
+    order = "little" if data[:2] == b"II" else "big"
+    offset = int.from_bytes(data[4:8], order)
+    if offset + 2 > len(data):
+        return None
+    count = int.from_bytes(data[offset:offset + 2], order)
+    dims = {}
+    for k in range(count):
+        entry = data[offset + 2 + 12 * k: offset + 14 + 12 * k]
+        if len(entry) < 12:
+            return None
+        tag, kind = int.from_bytes(entry[0:2], order), int.from_bytes(entry[2:4], order)
+        if tag in (256, 257):
+            dims[tag] = int.from_bytes(entry[8:10] if kind == 3 else entry[8:12], order)
+    return (dims[256], dims[257]) if len(dims) == 2 else None
+
+
+def _pnm_size(data: bytes) -> tuple[int, int] | None:
+    fields = []
+    for line in data[2:512].split(b"\n"):
+        fields += line.split(b"#")[0].split()
+        if len(fields) >= 2:
+            return int(fields[0]), int(fields[1])
+    return None
+
+
+def image_size(data: bytes, kind: str) -> tuple[int, int] | None:
+    """(width, height) declared by the file's header, or None if it cannot be read."""
+    try:
+        if kind == "jpeg":
+            return _jpeg_size(data)
+        if kind == "png":
+            return (int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")) \
+                if data[12:16] == b"IHDR" and len(data) >= 24 else None
+        if kind == "bmp":
+            if int.from_bytes(data[14:18], "little") == 12:
+                return int.from_bytes(data[18:20], "little"), int.from_bytes(data[20:22], "little")
+            return (abs(int.from_bytes(data[18:22], "little", signed=True)),
+                    abs(int.from_bytes(data[22:26], "little", signed=True)))
+        if kind == "tiff":
+            return _tiff_size(data)
+        if kind == "webp":
+            chunk = data[12:16]
+            if chunk == b"VP8 ":
+                return int.from_bytes(data[26:28], "little") & 0x3FFF, int.from_bytes(data[28:30], "little") & 0x3FFF
+            if chunk == b"VP8L":
+                bits = int.from_bytes(data[21:25], "little")
+                return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+            if chunk == b"VP8X":
+                return int.from_bytes(data[24:27], "little") + 1, int.from_bytes(data[27:30], "little") + 1
+            return None
+        if kind == "jpeg2000":
+            at = data.find(b"ihdr", 0, 4096)
+            return (int.from_bytes(data[at + 8:at + 12], "big"), int.from_bytes(data[at + 4:at + 8], "big")) \
+                if at >= 0 else None
+        if kind == "pnm":
+            return _pnm_size(data)
+    except (ValueError, IndexError):
+        return None
+    return None
+
+
+def read_checked(ref: ImageRef, max_pixels: int = 0) -> EncodedImage | ImageError:
+    """Read one file and reject what cannot be an image, cheaply, before it reaches the decoder.
+
+    max_pixels: refuse images whose header declares more pixels (0: no limit). A small file can
+    declare a huge image (a decompression bomb) that would decode to gigabytes."""
     try:
         with open(ref.path, "rb") as f:
             data = f.read()
@@ -115,22 +203,31 @@ def read_checked(ref: ImageRef) -> EncodedImage | ImageError:
         return ImageError(ref.index, ref.path, "unreadable", f"cannot read: {e.strerror or e}")
     if not data:
         return ImageError(ref.index, ref.path, "empty", "file is empty (0 bytes)")
-    if sniff_format(data[:16]) is None:
+    kind = sniff_format(data[:16])
+    if kind is None:
         return ImageError(ref.index, ref.path, "unknown_format",
                           f"not a JPEG/PNG/BMP/TIFF/WebP/JPEG 2000/PNM file (starts with {data[:8]!r})")
+    size = image_size(data, kind)
+    if size is None or min(size) <= 0:
+        return ImageError(ref.index, ref.path, "bad_header",
+                          f"{kind} header does not give a valid image size (truncated or corrupt file)")
+    if max_pixels and size[0] * size[1] > max_pixels:
+        return ImageError(ref.index, ref.path, "too_large",
+                          f"{kind} declares {size[0]}x{size[1]} = {size[0] * size[1]:,} pixels, over the limit of "
+                          f"{max_pixels:,} (raise preprocess.max_pixels if this image is genuine)")
     return EncodedImage(ref, np.frombuffer(data, dtype=np.uint8))
 
 
-def read_batches(refs: Sequence[ImageRef], *, batch_size: int, num_threads: int,
+def read_batches(refs: Sequence[ImageRef], *, batch_size: int, num_threads: int, max_pixels: int = 0,
                  lookahead: int = 2) -> Iterator[list[EncodedImage | ImageError]]:
     """Yield batches of read-and-checked images in order, reading `lookahead` batches ahead."""
     chunks = [refs[i:i + batch_size] for i in range(0, len(refs), batch_size)]
     with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="gpudet-read") as pool:
         pending: list[list[Future]] = []
         for chunk in chunks[:lookahead]:
-            pending.append([pool.submit(read_checked, r) for r in chunk])
+            pending.append([pool.submit(read_checked, r, max_pixels) for r in chunk])
         for next_chunk in chunks[lookahead:] + [None] * min(lookahead, len(chunks)):
             futures = pending.pop(0)
             if next_chunk is not None:
-                pending.append([pool.submit(read_checked, r) for r in next_chunk])
+                pending.append([pool.submit(read_checked, r, max_pixels) for r in next_chunk])
             yield [f.result() for f in futures]

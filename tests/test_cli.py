@@ -69,10 +69,12 @@ def test_bad_images_are_recorded_and_the_job_goes_on(tmp_path):
         shutil.copy(SAMPLES / name, tmp_path / "in" / name)
     (tmp_path / "in" / "empty.jpg").write_bytes(b"")
     (tmp_path / "in" / "text.jpg").write_text("not an image")
-    truncated = (SAMPLES / "grace_hopper.jpg").read_bytes()[:200]
-    (tmp_path / "in" / "truncated.jpg").write_bytes(truncated)
+    jpeg = (SAMPLES / "grace_hopper.jpg").read_bytes()
+    (tmp_path / "in" / "header_only.jpg").write_bytes(jpeg[:200])  # cut before the frame header
+    (tmp_path / "in" / "truncated.jpg").write_bytes(jpeg[:len(jpeg) // 2])  # cut in the scan data
     (tmp_path / "list.txt").write_text("\n".join(["astronaut.png", "empty.jpg", "missing.jpg", "text.jpg",
-                                                  "truncated.jpg", "china.jpg", "grace_hopper.jpg"]) + "\n")
+                                                  "truncated.jpg", "china.jpg", "grace_hopper.jpg",
+                                                  "header_only.jpg"]) + "\n")
     code = detect(tmp_path / "list.txt", "--root", tmp_path / "in", "--out", tmp_path / "out", "--batch-size", 8,
                   "--device", "cpu")
     assert code == 3
@@ -80,9 +82,9 @@ def test_bad_images_are_recorded_and_the_job_goes_on(tmp_path):
     errors = read_jsonl(tmp_path / "out" / "errors.jsonl")
     assert sorted(r["index"] for r in done) == [0, 5, 6]
     assert {e["index"]: e["reason"] for e in errors} == {1: "empty", 2: "missing", 3: "unknown_format",
-                                                         4: "decode_failed"}
-    assert all(e["path"].endswith(name) for e, name in zip(sorted(errors, key=lambda e: e["index"]),
-                                                            ["empty.jpg", "missing.jpg", "text.jpg", "truncated.jpg"]))
+                                                         4: "decode_failed", 7: "bad_header"}
+    assert all(e["path"].endswith(name) for e, name in zip(sorted(errors, key=lambda e: e["index"]), [
+        "empty.jpg", "missing.jpg", "text.jpg", "truncated.jpg", "header_only.jpg"]))
     assert [len(r["detections"]) for r in sorted(done, key=lambda r: r["index"])] == [1, 0, 1]
 
 
