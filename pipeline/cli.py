@@ -78,14 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .device import DeviceError
     from .engine import ModelError
-    from .runner import OutputExistsError
+    from .runner import GpuOutOfMemory, OutputExistsError
     from .source import SourceError
 
     # SIGTERM (a scheduler stopping the job) stops as cleanly as Ctrl-C: whole records, a summary.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         return {"detect": cmd_detect}[args.command](args)
-    except (ConfigError, DeviceError, ModelError, SourceError, OutputExistsError) as e:
+    except (ConfigError, DeviceError, ModelError, SourceError, OutputExistsError, GpuOutOfMemory) as e:
         print(f"gpudet: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

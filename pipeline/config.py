@@ -66,6 +66,10 @@ class RunConfig:
     """auto | cpu | cuda | cuda:N. cuda without a usable GPU is an error, never a silent fallback."""
     num_threads: int = 4
     """DALI worker threads (CPU decode and CPU-side operators) and file reader threads."""
+    gpu_mem_limit_mb: int = 0
+    """Cap on ONNX Runtime's CUDA memory arena, in MiB (0: no cap). DALI's buffers are separate."""
+    oom_retry: bool = True
+    """On GPU out-of-memory in the model, run each batch in halves (down to one image) and go on."""
 
 
 @dataclass
@@ -98,6 +102,7 @@ class Config:
         need(q.max_detections > 0, "postprocess.max_detections", "must be > 0")
         need(self.run.batch_size > 0, "run.batch_size", "must be > 0")
         need(self.run.num_threads > 0, "run.num_threads", "must be > 0")
+        need(self.run.gpu_mem_limit_mb >= 0, "run.gpu_mem_limit_mb", "must be >= 0 (0: no cap)")
         need(self.model.landmarks >= 0, "model.landmarks", "must be >= 0")
         need(len(self.model.labels) > 0, "model.labels", "needs at least one name")
 

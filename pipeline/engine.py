@@ -83,6 +83,37 @@ def find_image_input(inputs: list[TensorSpec], model_path: Path) -> ImageInput:
                       tuple(hw) if static else None)
 
 
+def check_external_data(model_path: Path) -> None:
+    """Refuse a model whose external-data references point outside its own folder: a model file
+    must not make gpudet read arbitrary files (`location: ../../etc/passwd`)."""
+    import onnx
+
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception as e:  # protobuf DecodeError, OSError, ...
+        raise ModelError(f"{model_path}: not a readable ONNX model ({type(e).__name__}: {e})") from None
+    folder = model_path.resolve().parent
+
+    def tensors(graph):
+        yield from graph.initializer
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    yield from tensors(sub)
+
+    for tensor in tensors(model.graph):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        target = (folder / location).resolve()
+        if Path(location).is_absolute() or not target.is_relative_to(folder):
+            raise ModelError(f"{model_path}: tensor {tensor.name!r} reads external data from {location!r}, outside "
+                             f"the model's folder {folder}; refusing to load it")
+
+
 class Engine:
     """An ORT session on one device with a reusable IOBinding."""
 
@@ -94,6 +125,7 @@ class Engine:
         self.model_path = Path(model_path)
         self.device = device
         self.cuda_options = cuda_options or {}
+        check_external_data(self.model_path)
         # A first, unoptimized CPU session only reads the inputs (it is cheap; the real session
         # depends on them through the dimension overrides).
         declared = self._session({}, probe=True).get_inputs()

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import sys
 import time
@@ -16,17 +17,20 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+import torch
+
 from . import __version__
 from .config import Config, resolve_model_path
 from .device import Device, resolve_device
 from .engine import Engine, ImageInput
-from .postprocess import detect_contract, end_to_end, to_device_meta
+from .postprocess import Detections, detect_contract, end_to_end, to_device_meta
 from .preprocess import PreprocessedBatch, PreprocessFailure, Preprocessor
 from .sinks import JsonlWriter, detection_records, errors_records, read_complete_records, write_json_atomic
 from .source import EncodedImage, ImageError, ImageRef, list_images, read_batches
 
 
 _END = object()
+log = logging.getLogger("gpudet")
 
 
 class StageClock:
@@ -70,9 +74,14 @@ class StageClock:
 
 def engine_args(config: Config) -> dict:
     p = config.postprocess
+    cuda_options = {}
+    if config.run.gpu_mem_limit_mb:
+        # The arena grows only by what is asked, so the cap is reached late and exactly.
+        cuda_options = {"gpu_mem_limit": str(config.run.gpu_mem_limit_mb << 20),
+                        "arena_extend_strategy": "kSameAsRequested"}
     return dict(scalars={"score_threshold": p.score_threshold, "iou_threshold": p.iou_threshold,
                          "max_detections": p.max_detections},
-                input_size_hw=tuple(config.preprocess.size))
+                input_size_hw=tuple(config.preprocess.size), cuda_options=cuda_options)
 
 
 def preprocessor_args(config: Config, image_input: ImageInput, device: Device) -> dict:
@@ -158,6 +167,7 @@ class Tally:
     failed: int = 0
     detections: int = 0
     interrupted: bool = False
+    model_batch: int = 0  # images per model run at the end (below batch_size after an out-of-memory)
     failed_by_reason: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
@@ -190,11 +200,71 @@ def images_to_do(out: Path, refs: list[ImageRef], *, resume: bool, overwrite: bo
     return [r for r in refs if r.index not in done]
 
 
+class GpuOutOfMemory(RuntimeError):
+    """The model ran out of GPU memory even on one image, or retrying in halves is off."""
+
+
+def is_out_of_memory(error: Exception) -> bool:
+    text = str(error).lower()
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or \
+        "failed to allocate memory" in text
+
+
+def infer(engine: Engine, batch: PreprocessedBatch, *, chunk: int, postprocess) -> Detections:
+    """Engine + postprocess over the batch, `chunk` images per model run.
+
+    chunk >= the batch: one run on DALI's own buffer. Smaller (after a GPU out-of-memory):
+    zero-copy torch views of that buffer, run one after the other."""
+    total = batch.orig_hw.shape[0]
+    if chunk >= total:
+        return postprocess(engine.run(batch.images), batch.scale_yx, batch.pad_yx, batch.orig_hw, len(batch.refs))
+    images = torch.from_dlpack(batch.images)
+    parts = []
+    for start in range(0, len(batch.refs), chunk):
+        stop = min(start + chunk, total)
+        part = postprocess(engine.run(images[start:stop]), batch.scale_yx[start:stop], batch.pad_yx[start:stop],
+                           batch.orig_hw[start:stop], min(stop, len(batch.refs)) - start)
+        part.batch_index += start
+        parts.append(part)
+    return Detections.concatenate(parts)
+
+
+def out_of_memory(device: Device, chunk: int, batch_size: int, error: Exception) -> GpuOutOfMemory:
+    return GpuOutOfMemory(f"GPU out of memory running the model on {chunk} image(s) at once on {device}: lower "
+                          f"--batch-size (now {batch_size}), raise run.gpu_mem_limit_mb, or free the GPU ({error})")
+
+
+def warm_up(engine: Engine, config: Config, device: Device) -> int:
+    """Run the model once at setup; return how many images it can run at once (halving on OOM)."""
+    chunk = config.run.batch_size
+    size_hw = engine.image_input.size_hw or tuple(config.preprocess.size)
+    while True:
+        try:
+            engine.warm_up(chunk, size_hw)
+            return chunk
+        except Exception as e:
+            if not (device.is_cuda and is_out_of_memory(e)):
+                raise
+            if not config.run.oom_retry or chunk == 1:
+                raise out_of_memory(device, chunk, config.run.batch_size, e) from e
+            chunk //= 2
+            log.warning("GPU out of memory at warm-up: running the model on %d images at a time", chunk)
+            torch.cuda.empty_cache()
+
+
 def detect_loop(todo: list[ImageRef], *, config: Config, device: Device, engine: Engine, preprocessor: Preprocessor,
-                results: JsonlWriter, errors: JsonlWriter, clock: StageClock, bar) -> Tally:
-    """The data path, batch by batch; every image ends in exactly one of the two files."""
-    tally = Tally()
+                results: JsonlWriter, errors: JsonlWriter, clock: StageClock, bar, chunk: int) -> Tally:
+    """The data path, batch by batch; every image ends in exactly one of the two files.
+    chunk: images per model run, halved on GPU out-of-memory (run.oom_retry)."""
+    tally = Tally(model_batch=chunk)
     num_landmarks = config.model.landmarks if "landmarks" in {s.name for s in engine.outputs} else 0
+
+    def postprocess(outputs, scale_yx, pad_yx, orig_hw, num_images) -> Detections:
+        with clock("postprocess"):  # torch on the device; one copy of final detections to the host
+            meta = to_device_meta(scale_yx, pad_yx, orig_hw, device.torch)
+            return end_to_end(outputs, meta, score_threshold=config.postprocess.score_threshold,
+                              max_detections=config.postprocess.max_detections, num_landmarks=num_landmarks,
+                              num_images=num_images)
 
     def record_errors(failed: list[ImageError]) -> None:
         for e in failed:
@@ -212,13 +282,19 @@ def detect_loop(todo: list[ImageRef], *, config: Config, device: Device, engine:
     try:
         # source: bytes read ahead on threads, cheap checks -> preprocess: DALI, 2 batches in flight
         for batch in clock.timed(preprocess_stream(preprocessor, checked_batches(), record_errors), "preprocess"):
-            with clock("engine"):  # ORT: DALI's buffer bound via DLPack, outputs stay on the device
-                outputs = engine.run(batch.images)
-            with clock("postprocess"):  # torch on the device; one copy of final detections to the host
-                meta = to_device_meta(batch.scale_yx, batch.pad_yx, batch.orig_hw, device.torch)
-                detections = end_to_end(outputs, meta, score_threshold=config.postprocess.score_threshold,
-                                        max_detections=config.postprocess.max_detections,
-                                        num_landmarks=num_landmarks, num_images=len(batch.refs))
+            while True:
+                try:
+                    with clock("engine"):  # ORT: DALI's buffer bound via DLPack, outputs stay on the device
+                        detections = infer(engine, batch, chunk=chunk, postprocess=postprocess)
+                    break
+                except Exception as e:
+                    if not (device.is_cuda and is_out_of_memory(e)):
+                        raise
+                    if not config.run.oom_retry or chunk == 1:
+                        raise out_of_memory(device, chunk, config.run.batch_size, e) from e
+                    chunk = tally.model_batch = max(1, min(chunk, batch.orig_hw.shape[0]) // 2)
+                    log.warning("GPU out of memory: running the model on %d images at a time from now on", chunk)
+                    torch.cuda.empty_cache()
             with clock("write"):  # sinks: one JSONL record per image
                 results.append(detection_records(batch, detections, config.model.labels))
             tally.processed += len(batch.refs)
@@ -243,7 +319,7 @@ def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | 
     engine = Engine(model_path, device=device, **engine_args(config))
     contract = detect_contract(engine.outputs, config.model.contract, model_path)
     preprocessor = Preprocessor(device=device, **preprocessor_args(config, engine.image_input, device))
-    engine.warm_up(config.run.batch_size, engine.image_input.size_hw or tuple(config.preprocess.size))
+    chunk = warm_up(engine, config, device)
     clock = StageClock()
     show = sys.stderr.isatty() if progress is None else progress
     from tqdm import tqdm
@@ -253,7 +329,7 @@ def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | 
             JsonlWriter(out / RESULT_FILES[1], append=resume) as errors, \
             tqdm(total=len(todo), unit="img", disable=not show, dynamic_ncols=True) as bar:
         tally = detect_loop(todo, config=config, device=device, engine=engine, preprocessor=preprocessor,
-                            results=results, errors=errors, clock=clock, bar=bar)
+                            results=results, errors=errors, clock=clock, bar=bar, chunk=chunk)
     elapsed = time.perf_counter() - t0
     summary = {
         "gpudet": __version__,
@@ -266,6 +342,7 @@ def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | 
         "failed_by_reason": dict(tally.failed_by_reason),
         "detections": tally.detections,
         "interrupted": tally.interrupted,
+        "model_batch": tally.model_batch,
         "seconds": {"total": round(elapsed, 4), "setup": round(setup_s, 4),
                     **{k: round(v, 4) for k, v in clock.seconds.items()}},
         "images_per_s": round((tally.processed + tally.failed) / max(elapsed - setup_s, 1e-9), 2),

@@ -137,3 +137,24 @@ def test_no_device_to_host_copy_of_model_outputs(tmp_path):
     assert sum(engine_copies) < output_bytes / 100
     # Postprocess: the count of kept rows (8 bytes) and the final rows, nothing else.
     assert sorted(post_copies)[-1] == final_bytes and sum(post_copies) <= final_bytes + 64
+
+
+def test_external_data_outside_the_model_folder_is_refused(tmp_path):
+    from onnx.external_data_helper import convert_model_to_external_data
+
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["b", 3, 8, 8])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["b", 3, 8, 8])
+    weight = onnx.numpy_helper.from_array(np.ones((1, 3, 8, 8), np.float32) * 2, "w")
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Mul", ["x", "w"], ["y"])], "g", [x], [y], [weight])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8)
+    (tmp_path / "models").mkdir()
+    convert_model_to_external_data(model, location="weights.bin", size_threshold=0)
+    onnx.save(model, str(tmp_path / "models" / "inside.onnx"))
+    Engine(tmp_path / "models" / "inside.onnx", device=Device("cpu"), scalars={})  # its own folder: fine
+    for entry in model.graph.initializer[0].external_data:
+        if entry.key == "location":
+            entry.value = "../secret.bin"
+    (tmp_path / "secret.bin").write_bytes(b"\0" * 4 * 3 * 64)
+    onnx.save(model, str(tmp_path / "models" / "escape.onnx"))
+    with pytest.raises(ModelError, match="outside the model's folder"):
+        Engine(tmp_path / "models" / "escape.onnx", device=Device("cpu"), scalars={})

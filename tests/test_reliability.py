@@ -239,3 +239,45 @@ def test_resume_refuses_results_of_another_source(tmp_path):
     assert main(["detect", str(other), "--out", str(out), "--device", "cpu", "--resume", "--no-progress"]) == 2
     assert main(["detect", str(SAMPLES), "--out", str(out), "--device", "cpu", "--resume", "--no-progress"]) == 0
     assert len(read_jsonl(out / "detections.jsonl")) == 6
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_soak_host_memory_stays_flat(tmp_path):
+    """Several thousand images on the CPU path: resident memory after warm-up does not grow."""
+    folder = tmp_path / "set"
+    folder.mkdir()
+    rng = random.Random(5)
+    photo = Image.open(SAMPLES / "grace_hopper.jpg")
+    for k in range(20):
+        w, h = rng.randint(120, 260), rng.randint(120, 260)
+        photo.resize((w, h)).save(folder / f"img_{k:02d}.jpg", quality=88)
+    listing = folder / "list.txt"
+    listing.write_text("".join(f"img_{k % 20:02d}.jpg\n" for k in range(3000)))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", "detect", str(listing), "--out", str(tmp_path / "out"), "--device", "cpu",
+         "--batch-size", "32", "--set", "preprocess.size=[128,128]"], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    samples = []  # (records written, RSS MiB)
+    out = tmp_path / "out" / "detections.jsonl"
+    while process.poll() is None:
+        written = out.read_bytes().count(b"\n") if out.exists() else 0
+        try:
+            samples.append((written, rss_mib(process.pid)))
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        time.sleep(0.1)
+    stdout, stderr = process.communicate()
+    assert process.returncode == 0, stderr
+    assert len(read_jsonl(out)) == 3000
+    warm = [rss for written, rss in samples if 500 <= written < 1000]
+    late = [rss for written, rss in samples if written >= 2500]
+    assert warm and late, samples[-5:]
+    print(f"RSS after 500-1000 images {max(warm):.0f} MiB, after 2500+ {max(late):.0f} MiB, peak "
+          f"{max(r for _, r in samples):.0f} MiB")
+    assert max(late) - max(warm) < 40, (max(warm), max(late))

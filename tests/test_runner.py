@@ -1,6 +1,9 @@
 """The runner's preprocessing stream: failure isolation with batches in flight."""
 
+import os
+
 import numpy as np
+import pytest
 
 from pipeline.device import Device
 from pipeline.preprocess import Preprocessor
@@ -43,3 +46,60 @@ def test_stage_clock_is_exclusive():
         with clock("inner"):
             time.sleep(0.03)
     assert 0.02 <= clock.seconds["outer"] < 0.03 + 0.01 and clock.seconds["inner"] >= 0.03
+
+
+@cpu_and_cuda()
+def test_running_the_model_in_chunks_gives_the_same_detections(device):
+    """The out-of-memory fallback: views of DALI's buffer, run a few images at a time."""
+    from pipeline.config import load_config, resolve_model_path
+    from pipeline.engine import Engine
+    from pipeline.postprocess import end_to_end, to_device_meta
+    from pipeline.runner import engine_args, infer, preprocessor_args
+    from pipeline.source import list_images, read_checked
+
+    config = load_config(None, ["run.batch_size=8"])
+    dev = Device("cuda", 0) if device == "cuda" else Device("cpu")
+    engine = Engine(resolve_model_path(config), device=dev, **engine_args(config))
+    p = Preprocessor(device=dev, **dict(preprocessor_args(config, engine.image_input, dev), pad_partial_batches=True))
+    batch = p.run([read_checked(r) for r in list_images(SAMPLES)])  # 6 images padded to 8
+
+    def post(outputs, scale_yx, pad_yx, orig_hw, num_images):
+        return end_to_end(outputs, to_device_meta(scale_yx, pad_yx, orig_hw, dev.torch), score_threshold=0.9,
+                          max_detections=750, num_landmarks=5, num_images=num_images)
+
+    whole = infer(engine, batch, chunk=8, postprocess=post)
+    for chunk in (4, 3, 1):
+        part = infer(engine, batch, chunk=chunk, postprocess=post)
+        assert part.batch_index.tolist() == whole.batch_index.tolist()
+        assert np.allclose(part.boxes_xyxy, whole.boxes_xyxy, atol=1e-3)
+        assert np.allclose(part.landmarks, whole.landmarks, atol=1e-3)
+    assert sorted(whole.batch_index.tolist()) == [0, 1, 5]  # astronaut, camera, grace_hopper
+
+
+@pytest.mark.cuda
+def test_gpu_out_of_memory_halves_the_model_batch_and_finishes(tmp_path):
+    """A real ORT out-of-memory under run.gpu_mem_limit_mb: the run goes on with smaller model batches."""
+    import json
+
+    from pipeline.cli import main
+
+    from conftest import EXPECTED_FACES, read_jsonl
+
+    outcomes = {}
+    for limit in (64, 128, 256, 512, 1024):
+        out = tmp_path / f"limit{limit}"
+        code = main(["detect", str(SAMPLES), "--out", str(out), "--device", "cuda", "--batch-size", "64",
+                     "--set", f"run.gpu_mem_limit_mb={limit}", "--no-progress"])
+        summary = json.loads((out / "summary.json").read_text()) if code == 0 else {}
+        outcomes[limit] = (code, summary.get("model_batch"))
+        if code == 0 and summary["model_batch"] < 64:
+            faces = {os.path.basename(r["path"]): len(r["detections"]) for r in read_jsonl(out / "detections.jsonl")}
+            assert faces == EXPECTED_FACES
+            # With retrying off, the same limit is a clear error naming the batch size.
+            code_off = main(["detect", str(SAMPLES), "--out", str(tmp_path / "off"), "--device", "cuda",
+                             "--batch-size", "64", "--set", f"run.gpu_mem_limit_mb={limit}",
+                             "--set", "run.oom_retry=false", "--no-progress"])
+            assert code_off == 2
+            print(f"gpu_mem_limit_mb={limit}: model batch 64 -> {summary['model_batch']}; outcomes {outcomes}")
+            return
+    pytest.fail(f"no memory limit made the model batch shrink and finish: {outcomes}")
