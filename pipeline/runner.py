@@ -206,8 +206,10 @@ class GpuOutOfMemory(RuntimeError):
 
 def is_out_of_memory(error: Exception) -> bool:
     text = str(error).lower()
+    # torch; CUDA ("out of memory"); ORT's CUDA EP and its capped arena (bfc_arena.cc: "Available
+    # memory of N is smaller than requested bytes of M", seen on the H200 under gpu_mem_limit).
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or \
-        "failed to allocate memory" in text
+        "failed to allocate memory" in text or "is smaller than requested bytes" in text
 
 
 def infer(engine: Engine, batch: PreprocessedBatch, *, chunk: int, postprocess) -> Detections:

@@ -48,7 +48,9 @@ def main() -> None:
     config = load_config(None, args.overrides + extra + [f"run.batch_size={args.batch_size}"])
     device = resolve_device(args.device)
     cuda_options = dict(o.split("=", 1) for o in args.cuda_option)
-    engine = Engine(resolve_model_path(config), device=device, cuda_options=cuda_options, **engine_args(config))
+    kwargs = engine_args(config)
+    kwargs["cuda_options"] = {**kwargs["cuda_options"], **cuda_options}
+    engine = Engine(resolve_model_path(config), device=device, **kwargs)
     preprocessor = Preprocessor(device=device, **preprocessor_args(config, engine.image_input, device))
     refs = list_images(args.source)[:args.batch_size]
     items = [i for i in map(read_checked, refs) if isinstance(i, EncodedImage)]

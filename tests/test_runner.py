@@ -71,8 +71,9 @@ def test_running_the_model_in_chunks_gives_the_same_detections(device):
     for chunk in (4, 3, 1):
         part = infer(engine, batch, chunk=chunk, postprocess=post)
         assert part.batch_index.tolist() == whole.batch_index.tolist()
-        assert np.allclose(part.boxes_xyxy, whole.boxes_xyxy, atol=1e-3)
-        assert np.allclose(part.landmarks, whole.landmarks, atol=1e-3)
+        # cuDNN may pick other algorithms for other batch sizes: equal within rounding.
+        assert np.allclose(part.boxes_xyxy, whole.boxes_xyxy, atol=0.05)
+        assert np.allclose(part.landmarks, whole.landmarks, atol=0.05)
     assert sorted(whole.batch_index.tolist()) == [0, 1, 5]  # astronaut, camera, grace_hopper
 
 
