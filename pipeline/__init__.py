@@ -1,3 +1,31 @@
-"""gpudet: batch object detection on NVIDIA GPUs, DALI -> DLPack -> ONNX Runtime -> torch, zero-copy."""
+"""gpudet: batch object detection on NVIDIA GPUs, DALI -> DLPack -> ONNX Runtime -> torch, zero-copy.
+
+    from pipeline import Detector
+    detector = Detector.from_config(device="cuda")        # the embedded RetinaFace by default
+    for result in detector.run("photos/list.txt"):        # ImageResult, or ImageError for a bad file
+        print(result.path, result.boxes_xyxy, result.scores)
+"""
 
 __version__ = "0.1.0"
+__all__ = ["Detector", "ImageResult", "ImageError", "DeviceDetections", "load_config"]
+
+
+def __getattr__(name: str):
+    # Lazy: `import pipeline` (and `gpudet --help`) stays fast; torch/DALI/ORT load on first use.
+    if name in ("Detector", "ImageResult"):
+        from . import detector
+
+        return getattr(detector, name)
+    if name == "ImageError":
+        from .source import ImageError
+
+        return ImageError
+    if name == "DeviceDetections":
+        from .postprocess import DeviceDetections
+
+        return DeviceDetections
+    if name == "load_config":
+        from .config import load_config
+
+        return load_config
+    raise AttributeError(f"module 'pipeline' has no attribute {name!r}")

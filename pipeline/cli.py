@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .device import DeviceError
     from .engine import ModelError
-    from .runner import GpuOutOfMemory, OutputExistsError
+    from .detector import GpuOutOfMemory
+    from .runner import OutputExistsError
     from .source import SourceError
 
     # SIGTERM (a scheduler stopping the job) stops as cleanly as Ctrl-C: whole records, a summary.

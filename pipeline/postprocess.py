@@ -73,27 +73,48 @@ def to_device_meta(scale_yx: np.ndarray, pad_yx: np.ndarray, orig_hw: np.ndarray
     return torch.from_numpy(meta).to(device)
 
 
-def end_to_end(outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, score_threshold: float,
-               max_detections: int, num_landmarks: int, num_images: int | None = None) -> Detections:
-    """Threshold, cap per image, undo the resize/letterbox and clip; copy the result to the host.
+@dataclass
+class DeviceDetections:
+    """Final detections of one batch, still on the device (torch tensors). Rows grouped by image,
+    best score first; boxes and landmarks in original pixels."""
 
-    outputs: the end-to-end contract's tensors, on the device. meta: [B, 6] from to_device_meta.
+    batch_index: torch.Tensor  # int64 [M]
+    boxes_xyxy: torch.Tensor  # float32 [M, 4]
+    scores: torch.Tensor  # float32 [M]
+    labels: torch.Tensor  # int64 [M]
+    landmarks: torch.Tensor | None  # float32 [M, K, 2]
+
+    @staticmethod
+    def concatenate(parts: list[DeviceDetections]) -> DeviceDetections:
+        return DeviceDetections(
+            batch_index=torch.cat([p.batch_index for p in parts]), boxes_xyxy=torch.cat([p.boxes_xyxy for p in parts]),
+            scores=torch.cat([p.scores for p in parts]), labels=torch.cat([p.labels for p in parts]),
+            landmarks=None if parts[0].landmarks is None else torch.cat([p.landmarks for p in parts]))
+
+    def to_host(self) -> Detections:
+        """One device-to-host copy of all columns, packed."""
+        columns = [self.batch_index.float()[:, None], self.labels.float()[:, None], self.scores[:, None],
+                   self.boxes_xyxy]
+        if self.landmarks is not None:
+            columns.append(self.landmarks.flatten(1))
+        rows = torch.cat(columns, dim=1).cpu().numpy()
+        return Detections(
+            batch_index=rows[:, 0].astype(np.int64), labels=rows[:, 1].astype(np.int64), scores=rows[:, 2].copy(),
+            boxes_xyxy=rows[:, 3:7].copy(),
+            landmarks=rows[:, 7:].reshape(len(rows), self.landmarks.shape[1], 2).copy()
+            if self.landmarks is not None else None)
+
+
+def end_to_end_device(outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, score_threshold: float,
+                      max_detections: int, num_landmarks: int, num_images: int | None = None) -> DeviceDetections:
+    """Threshold, cap per image, undo the resize/letterbox and clip, all on the outputs' device.
+
+    outputs: the end-to-end contract's tensors. meta: [B, 6] from to_device_meta.
     num_images: rows of the batch that are real images (the rest pad the batch); default all.
     """
     scores = outputs["scores"].float()
     image = outputs["batch_index"].long()
     labels = outputs["labels"].long() if "labels" in outputs else torch.zeros_like(image)
-    per_row = meta[image]  # [N, 6]
-    scale_xy, pad_xy, size_wh = per_row[:, [1, 0]], per_row[:, [3, 2]], per_row[:, [5, 4]]
-
-    def to_original(points_xy: torch.Tensor) -> torch.Tensor:  # [N, P, 2] model-input px -> original px
-        xy = (points_xy.float() - pad_xy[:, None]) / scale_xy[:, None]
-        return torch.minimum(xy.clamp(min=0), size_wh[:, None])
-
-    boxes = to_original(outputs["boxes"].reshape(-1, 2, 2)).reshape(-1, 4)
-    columns = [image.float()[:, None], labels.float()[:, None], scores[:, None], boxes]
-    if num_landmarks:
-        columns.append(to_original(outputs["landmarks"].reshape(-1, num_landmarks, 2)).reshape(-1, 2 * num_landmarks))
 
     # Order by (image, score desc); rank within each image; keep score >= threshold and rank < cap.
     # Rows below the threshold sort after those above it, so the rank counts kept rows first.
@@ -105,8 +126,23 @@ def end_to_end(outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, score_th
     keep = (scores[order] >= score_threshold) & (rank < max_detections)
     if num_images is not None:
         keep &= image[order] < num_images
-    rows = torch.cat(columns, dim=1)[order[keep]].cpu().numpy()  # the one device->host copy
-    return Detections(
-        batch_index=rows[:, 0].astype(np.int64), labels=rows[:, 1].astype(np.int64), scores=rows[:, 2].copy(),
-        boxes_xyxy=rows[:, 3:7].copy(),
-        landmarks=rows[:, 7:].reshape(-1, num_landmarks, 2).copy() if num_landmarks else None)
+    rows = order[keep]  # a boolean mask: one sync for the count
+    per_row = meta[image[rows]]  # [M, 6]
+    scale_xy, pad_xy, size_wh = per_row[:, [1, 0]], per_row[:, [3, 2]], per_row[:, [5, 4]]
+
+    def to_original(points_xy: torch.Tensor) -> torch.Tensor:  # [M, P, 2] model-input px -> original px
+        xy = (points_xy.float() - pad_xy[:, None]) / scale_xy[:, None]
+        return torch.minimum(xy.clamp(min=0), size_wh[:, None])
+
+    landmarks = None
+    if num_landmarks:
+        landmarks = to_original(outputs["landmarks"][rows].reshape(-1, num_landmarks, 2))
+    return DeviceDetections(batch_index=image[rows], boxes_xyxy=to_original(outputs["boxes"][rows].reshape(-1, 2, 2))
+                            .reshape(-1, 4), scores=scores[rows], labels=labels[rows], landmarks=landmarks)
+
+
+def end_to_end(outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, score_threshold: float,
+               max_detections: int, num_landmarks: int, num_images: int | None = None) -> Detections:
+    """end_to_end_device, then the one device-to-host copy."""
+    return end_to_end_device(outputs, meta, score_threshold=score_threshold, max_detections=max_detections,
+                             num_landmarks=num_landmarks, num_images=num_images).to_host()

@@ -18,7 +18,7 @@ from pipeline.device import resolve_device
 from pipeline.engine import Engine
 from pipeline.postprocess import end_to_end, to_device_meta
 from pipeline.preprocess import Preprocessor
-from pipeline.runner import engine_args, preprocessor_args
+from pipeline.detector import engine_args, preprocessor_args
 from pipeline.source import EncodedImage, list_images, read_checked
 
 

@@ -21,7 +21,7 @@ from PIL import Image
 from pipeline.cli import main
 from pipeline.device import Device
 from pipeline.preprocess import Preprocessor
-from pipeline.runner import preprocess_stream
+from pipeline.detector import preprocess_stream
 from pipeline.sinks import read_complete_records
 from pipeline.source import EncodedImage, ImageRef, image_size, sniff_format
 

@@ -1,4 +1,4 @@
-"""The runner's preprocessing stream: failure isolation with batches in flight."""
+"""The detector: failure isolation with batches in flight, chunked model runs, the stage clock."""
 
 import os
 
@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.device import Device
 from pipeline.preprocess import Preprocessor
-from pipeline.runner import StageClock, preprocess_stream
+from pipeline.detector import StageClock, preprocess_stream
 from pipeline.source import EncodedImage, ImageRef
 
 from conftest import SAMPLES, cpu_and_cuda
@@ -54,7 +54,7 @@ def test_running_the_model_in_chunks_gives_the_same_detections(device):
     from pipeline.config import load_config, resolve_model_path
     from pipeline.engine import Engine
     from pipeline.postprocess import end_to_end, to_device_meta
-    from pipeline.runner import engine_args, infer, preprocessor_args
+    from pipeline.detector import engine_args, infer, preprocessor_args
     from pipeline.source import list_images, read_checked
 
     config = load_config(None, ["run.batch_size=8"])

@@ -1,0 +1,331 @@
+"""The detector: the data path from image files to detections, one batch at a time.
+
+    source -> preprocess (DALI) -> engine (ORT IOBinding) -> postprocess (torch) -> results
+
+`Detector` owns one engine and one DALI pipeline on one device; `Detector.stream` is the loop.
+The CLI's runner writes what it yields to files; the Python API hands it to the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import Config, load_config, resolve_model_path
+from .device import Device, resolve_device
+from .engine import Engine, ImageInput
+from .postprocess import DeviceDetections, Detections, detect_contract, end_to_end_device, to_device_meta
+from .preprocess import PreprocessedBatch, PreprocessFailure, Preprocessor
+from .source import EncodedImage, ImageError, ImageRef, list_images, read_batches
+
+_END = object()
+log = logging.getLogger("gpudet")
+
+
+class StageClock:
+    """Main-thread wall time per stage, exclusive: time inside a nested stage (the source read
+    while preprocessing asks for the next batch) counts only for the inner one. Stages overlap on
+    the device (DALI decodes ahead on its own threads), so these are the times the loop waited
+    on each stage; they add up to the loop's time."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._stack: list[str] = []
+        self._since = 0.0
+
+    def _charge(self) -> float:
+        now = time.perf_counter()
+        if self._stack:
+            self.seconds[self._stack[-1]] += now - self._since
+        self._since = now
+        return now
+
+    @contextmanager
+    def __call__(self, stage: str):
+        self._charge()
+        self._stack.append(stage)
+        try:
+            yield
+        finally:
+            self._charge()
+            self._stack.pop()
+
+    def timed(self, iterable: Iterable, stage: str) -> Iterator:
+        """Iterate `iterable`, counting the time spent producing each item under `stage`."""
+        iterator = iter(iterable)
+        while True:
+            with self(stage):
+                item = next(iterator, _END)
+            if item is _END:
+                return
+            yield item
+
+
+
+def engine_args(config: Config) -> dict:
+    p = config.postprocess
+    cuda_options = {}
+    if config.run.gpu_mem_limit_mb:
+        # The arena grows only by what is asked, so the cap is reached late and exactly.
+        cuda_options = {"gpu_mem_limit": str(config.run.gpu_mem_limit_mb << 20),
+                        "arena_extend_strategy": "kSameAsRequested"}
+    return dict(scalars={"score_threshold": p.score_threshold, "iou_threshold": p.iou_threshold,
+                         "max_detections": p.max_detections},
+                input_size_hw=tuple(config.preprocess.size), cuda_options=cuda_options)
+
+
+def preprocessor_args(config: Config, image_input: ImageInput, device: Device) -> dict:
+    p = config.preprocess
+    height, width = image_input.size_hw or tuple(p.size)
+    return dict(batch_size=config.run.batch_size, num_threads=config.run.num_threads, height=height, width=width,
+                resize=p.resize, channel_order=p.channel_order, mean=p.mean, std=p.std, pad_value=p.pad_value,
+                dtype=image_input.dtype, layout=image_input.layout, pad_partial_batches=device.is_cuda)
+
+
+def decode_failed(item: EncodedImage, cause: Exception) -> ImageError:
+    """The error record of an image the decoder rejected, with the useful part of DALI's message."""
+    text = str(cause)
+    # DALI's message: "Critical error in pipeline: ... Error in <operator> ... encountered: <what>".
+    operator = re.search(r"Error in \w+ operator `([^`]+)`", text)
+    what = text.split("encountered:", 1)[1].strip().splitlines()[0] if "encountered:" in text else text.strip()
+    what = re.sub(r"\s*sample #\d+\s*:?\s*$", "", what).strip() or "rejected"
+    where = f" ({operator.group(1)})" if operator else ""
+    return ImageError(item.ref.index, item.ref.path, "decode_failed",
+                      f"cannot decode{where}: {what[:300]}; the file is corrupt or truncated")
+
+
+def isolate(preprocessor: Preprocessor, items: list[EncodedImage],
+            on_error: Callable[[list[ImageError]], None]) -> Iterator[PreprocessedBatch]:
+    """Retry a failed group in halves, one at a time, down to single images; report those."""
+    if len(items) == 1:
+        on_error([decode_failed(items[0], RuntimeError("the decoder rejected this image"))])
+        return
+    half = len(items) // 2
+    for part in (items[:half], items[half:]):
+        try:
+            yield preprocessor.run(part)
+        except PreprocessFailure as failure:
+            if len(part) == 1:
+                on_error([decode_failed(part[0], failure.cause)])
+            else:
+                yield from isolate(preprocessor, part, on_error)
+
+
+def preprocess_stream(preprocessor: Preprocessor, batches: Iterable[list[EncodedImage]],
+                      on_error: Callable[[list[ImageError]], None], *, depth: int = 2
+                      ) -> Iterator[PreprocessedBatch]:
+    """Preprocessed batches, in order, with `depth` batches in flight in DALI.
+
+    When DALI fails on a batch, the batches submitted after it are submitted again and the
+    failed one is retried in halves until only the images that fail alone are left; those are
+    reported as decode_failed. Every good image comes out exactly once.
+    """
+    retry: deque[list[EncodedImage]] = deque()
+    source = iter(batches)
+    while True:
+        while len(preprocessor.in_flight) < depth:
+            batch = retry.popleft() if retry else next(source, None)
+            if batch is None:
+                break
+            if batch:
+                preprocessor.submit(batch)
+        if not preprocessor.in_flight:
+            return
+        try:
+            yield preprocessor.result()
+        except PreprocessFailure as failure:
+            retry.extendleft(reversed(failure.unfinished))
+            if len(failure.failed) == 1:
+                on_error([decode_failed(failure.failed[0], failure.cause)])
+            else:
+                yield from isolate(preprocessor, failure.failed, on_error)
+
+
+class GpuOutOfMemory(RuntimeError):
+    """The model ran out of GPU memory even on one image, or retrying in halves is off."""
+
+
+def is_out_of_memory(error: Exception) -> bool:
+    text = str(error).lower()
+    # torch; CUDA ("out of memory"); ORT's CUDA EP and its capped arena (bfc_arena.cc: "Available
+    # memory of N is smaller than requested bytes of M", seen on the H200 under gpu_mem_limit).
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or \
+        "failed to allocate memory" in text or "is smaller than requested bytes" in text
+
+
+def infer(engine: Engine, batch: PreprocessedBatch, *, chunk: int, postprocess):
+    """Engine + postprocess over the batch, `chunk` images per model run.
+
+    chunk >= the batch: one run on DALI's own buffer. Smaller (after a GPU out-of-memory):
+    zero-copy torch views of that buffer, run one after the other."""
+    total = batch.orig_hw.shape[0]
+    if chunk >= total:
+        return postprocess(engine.run(batch.images), batch.scale_yx, batch.pad_yx, batch.orig_hw, len(batch.refs))
+    images = torch.from_dlpack(batch.images)
+    parts = []
+    for start in range(0, len(batch.refs), chunk):
+        stop = min(start + chunk, total)
+        part = postprocess(engine.run(images[start:stop]), batch.scale_yx[start:stop], batch.pad_yx[start:stop],
+                           batch.orig_hw[start:stop], min(stop, len(batch.refs)) - start)
+        part.batch_index += start
+        parts.append(part)
+    return type(parts[0]).concatenate(parts)
+
+
+def out_of_memory(device: Device, chunk: int, batch_size: int, error: Exception) -> GpuOutOfMemory:
+    return GpuOutOfMemory(f"GPU out of memory running the model on {chunk} image(s) at once on {device}: lower "
+                          f"--batch-size (now {batch_size}), raise run.gpu_mem_limit_mb, or free the GPU ({error})")
+
+
+def warm_up_engine(engine: Engine, config: Config, device: Device) -> int:
+    """Run the model once at setup; return how many images it can run at once (halving on OOM)."""
+    chunk = config.run.batch_size
+    size_hw = engine.image_input.size_hw or tuple(config.preprocess.size)
+    while True:
+        try:
+            engine.warm_up(chunk, size_hw)
+            return chunk
+        except Exception as e:
+            if not (device.is_cuda and is_out_of_memory(e)):
+                raise
+            if not config.run.oom_retry or chunk == 1:
+                raise out_of_memory(device, chunk, config.run.batch_size, e) from e
+            chunk //= 2
+            log.warning("GPU out of memory at warm-up: running the model on %d images at a time", chunk)
+            torch.cuda.empty_cache()
+
+
+
+
+class Detector:
+    """One model on one device, ready to run: build it once, stream any number of sources.
+
+    >>> detector = Detector.from_config(device="cpu")
+    >>> for result in detector.run("samples"):
+    ...     print(result.path, len(result.scores))
+    """
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.device: Device = resolve_device(config.run.device)
+        self.model_path = resolve_model_path(config)
+        self.engine = Engine(self.model_path, device=self.device, **engine_args(config))
+        self.contract = detect_contract(self.engine.outputs, config.model.contract, self.model_path)
+        self.preprocessor = Preprocessor(device=self.device,
+                                         **preprocessor_args(config, self.engine.image_input, self.device))
+        self.num_landmarks = config.model.landmarks if "landmarks" in {s.name for s in self.engine.outputs} else 0
+        self.model_batch = warm_up_engine(self.engine, config, self.device)
+        """Images per model run: run.batch_size, or less after a GPU out-of-memory."""
+
+    @classmethod
+    def from_config(cls, config: str | Path | None = None, *, model: str | None = None, device: str | None = None,
+                    batch_size: int | None = None, overrides: Iterable[str] = ()) -> Detector:
+        """Load a YAML config (default: the embedded RetinaFace) with optional overrides."""
+        extra = list(overrides)
+        if model is not None:
+            extra.append(f"model.path={model!r}")
+        if device is not None:
+            extra.append(f"run.device={device}")
+        if batch_size is not None:
+            extra.append(f"run.batch_size={batch_size}")
+        return cls(load_config(config, extra))
+
+    def _postprocess(self, clock: StageClock, on_device: bool):
+        p = self.config.postprocess
+
+        def postprocess(outputs, scale_yx, pad_yx, orig_hw, num_images):
+            with clock("postprocess"):  # torch on the device; one copy of final detections to the host
+                meta = to_device_meta(scale_yx, pad_yx, orig_hw, self.device.torch)
+                found = end_to_end_device(outputs, meta, score_threshold=p.score_threshold,
+                                          max_detections=p.max_detections, num_landmarks=self.num_landmarks,
+                                          num_images=num_images)
+                return found if on_device else found.to_host()
+        return postprocess
+
+    def _infer(self, batch: PreprocessedBatch, postprocess, clock: StageClock):
+        """Engine + postprocess on one batch, halving the model batch on GPU out-of-memory."""
+        while True:
+            try:
+                with clock("engine"):  # ORT: DALI's buffer bound via DLPack, outputs stay on the device
+                    return infer(self.engine, batch, chunk=self.model_batch, postprocess=postprocess)
+            except Exception as e:
+                if not (self.device.is_cuda and is_out_of_memory(e)):
+                    raise
+                if not self.config.run.oom_retry or self.model_batch == 1:
+                    raise out_of_memory(self.device, self.model_batch, self.config.run.batch_size, e) from e
+                self.model_batch = max(1, min(self.model_batch, batch.orig_hw.shape[0]) // 2)
+                log.warning("GPU out of memory: running the model on %d images at a time from now on",
+                            self.model_batch)
+                torch.cuda.empty_cache()
+
+    def stream(self, refs: list[ImageRef], on_error: Callable[[list[ImageError]], None], *,
+               clock: StageClock | None = None, on_device: bool = False
+               ) -> Iterator[tuple[PreprocessedBatch, Detections | DeviceDetections]]:
+        """The data path over `refs`: yields each batch with its detections, in submission order
+        (a batch retried after a decode failure comes back in parts). Every image ends either in
+        a yielded batch or in `on_error`, exactly once. on_device=True yields DeviceDetections
+        (torch tensors on the device, no host copy); they are the caller's to keep."""
+        clock = clock or StageClock()
+        config = self.config
+        postprocess = self._postprocess(clock, on_device)
+
+        def checked_batches() -> Iterator[list[EncodedImage]]:
+            for items in clock.timed(read_batches(refs, batch_size=config.run.batch_size,
+                                                  num_threads=config.run.num_threads,
+                                                  max_pixels=config.preprocess.max_pixels), "read"):
+                on_error([i for i in items if isinstance(i, ImageError)])
+                yield [i for i in items if isinstance(i, EncodedImage)]
+
+        # source: bytes read ahead on threads, cheap checks -> preprocess: DALI, 2 batches in flight
+        for batch in clock.timed(preprocess_stream(self.preprocessor, checked_batches(), on_error), "preprocess"):
+            yield batch, self._infer(batch, postprocess, clock)  # engine + postprocess, on the device
+
+    def run(self, source: str | Path | list[str], *, root: str | None = None) -> Iterator[ImageResult | ImageError]:
+        """Per-image results for a source (file list, folder, glob, or a list of paths), in batch
+        order; images that cannot be processed come as ImageError, never as an exception."""
+        if isinstance(source, (list, tuple)):
+            refs = [ImageRef(i, str(p)) for i, p in enumerate(source)]
+        else:
+            refs = list_images(source, root=root)
+        failed: deque[ImageError] = deque()
+        for batch, found in self.stream(refs, failed.extend):
+            yield from failed
+            failed.clear()
+            for i, ref in enumerate(batch.refs):
+                yield ImageResult.from_batch(ref, batch, found, i, self.config.model.labels)
+        yield from failed
+
+
+@dataclass
+class ImageResult:
+    """Detections of one image, on the host, in original pixels (after EXIF orientation)."""
+
+    index: int
+    path: str
+    width: int
+    height: int
+    boxes_xyxy: np.ndarray  # float32 [K, 4]
+    scores: np.ndarray  # float32 [K], best first
+    labels: np.ndarray  # int64 [K]
+    names: list[str]
+    landmarks: np.ndarray | None  # float32 [K, L, 2]
+
+    @classmethod
+    def from_batch(cls, ref: ImageRef, batch: PreprocessedBatch, found: Detections, i: int,
+                   label_names: list[str]) -> ImageResult:
+        rows = found.rows_of(i)
+        labels = found.labels[rows]
+        height, width = (int(v) for v in batch.orig_hw[i])
+        return cls(index=ref.index, path=ref.path, width=width, height=height, boxes_xyxy=found.boxes_xyxy[rows],
+                   scores=found.scores[rows], labels=labels,
+                   names=[label_names[k] if k < len(label_names) else str(k) for k in labels.tolist()],
+                   landmarks=None if found.landmarks is None else found.landmarks[rows])
