@@ -63,3 +63,23 @@ def test_the_installed_entrypoint_detects_outside_the_checkout(installed, tmp_pa
     assert run.returncode == 0, run.stderr
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["model"]["path"].startswith(str(site)) and summary["detections"] == 3
+
+
+def test_a_clean_venv_installs_the_package_with_its_dependencies(installed, tmp_path):
+    """What the image's `pip install /src` does, in a fresh virtual environment: resolve and install
+    every runtime dependency from the package index, then detect through the console script."""
+    wheel, _ = installed
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    # torch first, as the Dockerfile does (there: the CUDA 13 build; here: the CPU build CI has).
+    subprocess.run(pip + ["torch==2.13.0"], check=True, capture_output=True, timeout=900)
+    install = subprocess.run(pip + [str(wheel)], capture_output=True, text=True, timeout=900)
+    assert install.returncode == 0, install.stderr[-2000:]
+    names = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format=freeze"],
+                           capture_output=True, text=True).stdout.lower()
+    assert "onnxruntime-gpu==" in names and "\nonnxruntime==" not in "\n" + names  # never both
+    run = subprocess.run([str(venv / "bin" / "gpudet"), "detect", str(SAMPLES), "--out", "out", "--device", "cpu",
+                          "--quiet"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["detections"] == 3
