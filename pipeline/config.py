@@ -25,12 +25,18 @@ class ConfigError(ValueError):
 class ModelConfig:
     path: str = "retinaface_mnet025.onnx"
     """ONNX file. Relative paths resolve against the config file's folder, then gpudet's models/."""
-    contract: Literal["auto", "end_to_end"] = "auto"
+    contract: Literal["auto", "end_to_end", "ssd_heads"] = "auto"
     """How outputs are read (README, "Model contract"); auto recognises it from the output names."""
     labels: list[str] = field(default_factory=lambda: ["face"])
     """Class names, indexed by the model's label output (or label 0 when it has none)."""
     landmarks: int = 5
     """Landmark points per detection the model outputs (0 for none)."""
+    anchor_strides: list[int] = field(default_factory=lambda: [8, 16, 32])
+    """ssd_heads: feature-map strides, in the order of the heads' anchors (RetinaFace's)."""
+    anchor_sizes: list[list[float]] = field(default_factory=lambda: [[16.0, 32.0], [64.0, 128.0], [256.0, 512.0]])
+    """ssd_heads: square anchor sizes in input pixels, per stride."""
+    box_variances: list[float] = field(default_factory=lambda: [0.1, 0.2])
+    """ssd_heads: SSD box coding variances (center, size)."""
 
 
 @dataclass
@@ -57,6 +63,8 @@ class PostprocessConfig:
     iou_threshold: float = 0.4
     max_detections: int = 750
     """Per image, highest scores first."""
+    pre_nms_top_k: int = 1000
+    """ssd_heads: candidates per image that enter NMS (best scores above the threshold)."""
 
 
 @dataclass
@@ -100,6 +108,10 @@ class Config:
         need(0.0 <= q.score_threshold <= 1.0, "postprocess.score_threshold", "must be in [0, 1]")
         need(0.0 < q.iou_threshold <= 1.0, "postprocess.iou_threshold", "must be in (0, 1]")
         need(q.max_detections > 0, "postprocess.max_detections", "must be > 0")
+        need(q.pre_nms_top_k > 0, "postprocess.pre_nms_top_k", "must be > 0")
+        m = self.model
+        need(len(m.anchor_strides) == len(m.anchor_sizes), "model.anchor_sizes", "needs one list per anchor stride")
+        need(len(m.box_variances) == 2, "model.box_variances", "needs [center, size]")
         need(self.run.batch_size > 0, "run.batch_size", "must be > 0")
         need(self.run.num_threads > 0, "run.num_threads", "must be > 0")
         need(self.run.gpu_mem_limit_mb >= 0, "run.gpu_mem_limit_mb", "must be >= 0 (0: no cap)")

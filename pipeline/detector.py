@@ -23,7 +23,7 @@ import torch
 from .config import Config, load_config, resolve_model_path
 from .device import Device, resolve_device
 from .engine import Engine, ImageInput
-from .postprocess import DeviceDetections, Detections, detect_contract, end_to_end_device, to_device_meta
+from .postprocess import DeviceDetections, Detections, SsdHeads, detect_contract, end_to_end_device, to_device_meta
 from .preprocess import PreprocessedBatch, PreprocessFailure, Preprocessor
 from .source import EncodedImage, ImageError, ImageRef, list_images, read_batches
 
@@ -223,6 +223,9 @@ class Detector:
         self.preprocessor = Preprocessor(device=self.device,
                                          **preprocessor_args(config, self.engine.image_input, self.device))
         self.num_landmarks = config.model.landmarks if "landmarks" in {s.name for s in self.engine.outputs} else 0
+        m = config.model
+        self.ssd_heads = SsdHeads(strides=m.anchor_strides, sizes=m.anchor_sizes, variances=m.box_variances,
+                                  pre_nms_top_k=config.postprocess.pre_nms_top_k, device=self.device.torch)
         self.model_batch = warm_up_engine(self.engine, config, self.device)
         """Images per model run: run.batch_size, or less after a GPU out-of-memory."""
 
@@ -241,13 +244,23 @@ class Detector:
 
     def _postprocess(self, clock: StageClock, on_device: bool):
         p = self.config.postprocess
+        input_hw = self.engine.image_input.size_hw or tuple(self.config.preprocess.size)
+
+        def decode(outputs, meta, num_images) -> DeviceDetections:
+            if self.contract == "end_to_end":  # the model did decode + NMS
+                return end_to_end_device(outputs, meta, score_threshold=p.score_threshold,
+                                         max_detections=p.max_detections, num_landmarks=self.num_landmarks,
+                                         num_images=num_images)
+            args = dict(input_hw=input_hw, score_threshold=p.score_threshold, iou_threshold=p.iou_threshold,
+                        max_detections=p.max_detections, num_landmarks=self.num_landmarks, num_images=num_images)
+            found, converged = self.ssd_heads(outputs, meta, **args)
+            if not converged:  # a suppression chain longer than the default bound: finish exactly
+                found, _ = self.ssd_heads(outputs, meta, max_iterations=p.pre_nms_top_k, **args)
+            return found
 
         def postprocess(outputs, scale_yx, pad_yx, orig_hw, num_images):
             with clock("postprocess"):  # torch on the device; one copy of final detections to the host
-                meta = to_device_meta(scale_yx, pad_yx, orig_hw, self.device.torch)
-                found = end_to_end_device(outputs, meta, score_threshold=p.score_threshold,
-                                          max_detections=p.max_detections, num_landmarks=self.num_landmarks,
-                                          num_images=num_images)
+                found = decode(outputs, to_device_meta(scale_yx, pad_yx, orig_hw, self.device.torch), num_images)
                 return found if on_device else found.to_host()
         return postprocess
 

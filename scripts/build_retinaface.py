@@ -186,6 +186,8 @@ def heads_only(model: onnx.ModelProto, height: int, width: int) -> onnx.ModelPro
     with static output shapes (batch symbolic), for probing the engine without in-graph NMS."""
     graph = model.graph
     nodes = [n for n in graph.node if not n.name.startswith("post/")]
+    for node in nodes:  # the heads' own name again (build() renamed it to make room)
+        node.output[:] = ["landmarks" if o == "landmarks_raw" else o for o in node.output]
     initializers = [i for i in graph.initializer if not i.name.startswith("post/")]
     image = next(i for i in graph.input if i.name == "input")
     del graph.node[:], graph.initializer[:], graph.input[:], graph.output[:]
@@ -195,7 +197,7 @@ def heads_only(model: onnx.ModelProto, height: int, width: int) -> onnx.ModelPro
     graph.input[0].type.tensor_type.shape.dim[2].dim_value = height
     graph.input[0].type.tensor_type.shape.dim[3].dim_value = width
     anchors = sum(-(-height // s) * -(-width // s) * len(sizes) for s, sizes in zip(STRIDES, ANCHOR_SIZES))
-    for name, width_ in (("loc", 4), ("conf", 2), ("landmarks_raw", 10)):
+    for name, width_ in (("loc", 4), ("conf", 2), ("landmarks", 10)):
         graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch_size", anchors, width_]))
     graph.name = "retinaface_mnet025_heads"
     return model

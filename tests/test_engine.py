@@ -158,3 +158,27 @@ def test_external_data_outside_the_model_folder_is_refused(tmp_path):
     onnx.save(model, str(tmp_path / "models" / "escape.onnx"))
     with pytest.raises(ModelError, match="outside the model's folder"):
         Engine(tmp_path / "models" / "escape.onnx", device=Device("cpu"), scalars={})
+
+
+@pytest.mark.cuda
+def test_ssd_heads_postprocess_copies_only_the_final_detections(tmp_path):
+    """Raw heads bound to static buffers, decoded + NMS'd in torch: the only sizable D2H copy is
+    the final rows (plus the kept count and NMS's convergence flag)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pipeline import Detector
+
+    detector = Detector.from_config(ROOT / "configs" / "retinaface_mnet025_heads.yaml", device="cuda", batch_size=12,
+                                    overrides=["postprocess.score_threshold=0.3"])
+    refs = list_images(SAMPLES) * 2
+    refs = [type(r)(i, r.path) for i, r in enumerate(refs)]
+    list(detector.stream(refs, on_error=lambda errors: None))  # warm-up
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        (batch, found), = list(detector.stream(refs, on_error=lambda errors: None))
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    copies = dtoh_copies(tmp_path / "trace.json")
+    final_bytes = len(found.scores) * (3 + 4 + 10) * 4
+    heads_bytes = 12 * ANCHORS_640 * (4 + 2 + 10) * 4
+    print(f"ssd_heads: {len(found.scores)} detections, final rows {final_bytes} B, D2H copies {copies}")
+    assert sorted(copies)[-1] == final_bytes and sum(copies) <= final_bytes + 64
+    assert sum(copies) < heads_bytes / 1000

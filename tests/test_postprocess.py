@@ -7,7 +7,7 @@ import torch
 from pipeline.engine import ModelError, TensorSpec
 from pipeline.postprocess import detect_contract, end_to_end, to_device_meta
 
-from conftest import cpu_and_cuda
+from conftest import ROOT, SAMPLES, cpu_and_cuda
 
 
 def meta_for(device, scale_yx, orig_hw, pad_yx=None):
@@ -61,3 +61,36 @@ def test_contract_detection_lists_found_and_expected(tmp_path):
     with pytest.raises(ModelError) as info:
         detect_contract(bad, "auto", tmp_path / "m.onnx")
     assert "cls_logits float [1, 100, 80]" in str(info.value) and "boxes (rank 2)" in str(info.value)
+
+
+@cpu_and_cuda()
+@pytest.mark.parametrize("score_threshold", [0.9, 0.5])
+def test_ssd_heads_on_the_device_match_the_in_graph_nms(device, score_threshold):
+    """The raw-heads model decoded by SsdHeads (torch) gives the shipped end-to-end model's detections."""
+    from pipeline import Detector
+    from pipeline.source import list_images
+
+    def detections(config):
+        detector = Detector.from_config(config, device=device, batch_size=8,
+                                        overrides=[f"postprocess.score_threshold={score_threshold}"])
+        (batch, found), = list(detector.stream(list_images(SAMPLES), on_error=lambda errors: None))
+        return detector.contract, found
+
+    contract_heads, heads = detections(ROOT / "configs" / "retinaface_mnet025_heads.yaml")
+    contract_e2e, e2e = detections(None)
+    assert (contract_heads, contract_e2e) == ("ssd_heads", "end_to_end")
+    assert len(heads.scores) == len(e2e.scores) >= 3
+    order_h = np.lexsort((-heads.scores, heads.batch_index))
+    order_e = np.lexsort((-e2e.scores, e2e.batch_index))
+    assert heads.batch_index[order_h].tolist() == e2e.batch_index[order_e].tolist()
+    assert np.allclose(heads.scores[order_h], e2e.scores[order_e], atol=1e-5)
+    assert np.abs(heads.boxes_xyxy[order_h] - e2e.boxes_xyxy[order_e]).max() < 0.05
+    assert np.abs(heads.landmarks[order_h] - e2e.landmarks[order_e]).max() < 0.05
+
+
+def test_ssd_heads_contract_is_recognised(tmp_path):
+    heads = [TensorSpec("loc", "tensor(float)", ("b", 16800, 4)), TensorSpec("conf", "tensor(float)", ("b", 16800, 2)),
+             TensorSpec("landmarks", "tensor(float)", ("b", 16800, 10))]
+    assert detect_contract(heads, "auto", tmp_path / "m.onnx") == "ssd_heads"
+    with pytest.raises(ModelError, match="end_to_end"):
+        detect_contract(heads, "end_to_end", tmp_path / "m.onnx")
