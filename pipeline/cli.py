@@ -1,4 +1,4 @@
-"""Command line: `gpudet detect | eval | export-coco | draw` (also `python -m pipeline ...`).
+"""Command line: `gpudet detect | inspect | eval | export-coco | draw` (also `python -m pipeline ...`).
 
 Exit codes: 0 every image processed; 3 finished, some images failed (see errors.jsonl);
 2 bad usage, config, source, model or device; 1 internal error; 130 interrupted.
@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="COCO results JSON to write")
     evaluate = commands.add_parser("eval", parents=[common, coco], help="COCO bbox metrics of detections.jsonl")
     evaluate.add_argument("--out", help="also write the metrics as JSON here")
+
+    inspect = commands.add_parser("inspect", parents=[common], help="inputs, outputs, contract and Memcpy "
+                                                                    "nodes of an ONNX model")
+    inspect.add_argument("model", help="ONNX model file")
+    inspect.add_argument("--size", type=int, nargs=2, default=(640, 640), metavar=("HEIGHT", "WIDTH"),
+                         help="input size for models whose size is dynamic (default 640 640)")
+    inspect.add_argument("--json", action="store_true", help="print JSON")
 
     draw = commands.add_parser("draw", parents=[common], help="draw detections onto the images")
     draw.add_argument("detections", help="detections.jsonl written by gpudet detect")
@@ -146,6 +153,14 @@ def cmd_draw(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .modelinfo import format_info, inspect_model
+
+    info = inspect_model(args.model, size_hw=tuple(args.size))
+    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    return EXIT_OK
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)), "level": record.levelname,
@@ -180,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # SIGTERM (a scheduler stopping the job) stops as cleanly as Ctrl-C: whole records, a summary.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    commands = {"detect": cmd_detect, "export-coco": cmd_export_coco, "eval": cmd_eval, "draw": cmd_draw}
+    commands = {"detect": cmd_detect, "export-coco": cmd_export_coco, "eval": cmd_eval, "draw": cmd_draw,
+                "inspect": cmd_inspect}
     try:
         return commands[args.command](args)
     except (ConfigError, DeviceError, ModelError, SourceError, OutputExistsError, GpuOutOfMemory) as e:

@@ -53,6 +53,10 @@ def test_build_script_reproduces_the_shipped_model(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "scripts" / "build_retinaface.py"), "--out", str(out)], check=True,
                    capture_output=True)
     assert out.read_bytes() == MODEL.read_bytes()
+    heads = tmp_path / "heads.onnx"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_retinaface.py"), "--heads-only", "640", "640",
+                    "--out", str(heads)], check=True, capture_output=True)
+    assert heads.read_bytes() == (ROOT / "models" / "retinaface_mnet025_heads_640.onnx").read_bytes()
 
 
 def test_shipped_model_has_the_end_to_end_contract():

@@ -1,0 +1,83 @@
+"""`gpudet inspect MODEL`: what a model looks like to gpudet, and where ORT would copy to the host."""
+
+from __future__ import annotations
+
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+
+from .device import _cuda_problem
+from .engine import ModelError, TensorSpec, check_external_data, find_image_input
+from .postprocess import detect_contract
+
+
+def memcpy_nodes(model_path: Path, size_hw: tuple[int, int] | None, dims: tuple, device_index: int = 0) -> list[str]:
+    """Memcpy nodes ORT inserts on the CUDA EP (host round trips per run), as 'op -> consumer'."""
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.optimized_model_filepath = f"{tmp}/optimized.onnx"
+        for dim, value in zip(dims, size_hw or ()):
+            if isinstance(dim, str):
+                options.add_free_dimension_override_by_name(dim, value)
+        ort.preload_dlls()
+        ort.InferenceSession(str(model_path), options,
+                             providers=[("CUDAExecutionProvider", {"device_id": str(device_index)})])
+        graph = onnx.load(f"{tmp}/optimized.onnx").graph
+    consumers = {i: n.name or n.op_type for n in graph.node for i in n.input}
+    return [f"{n.op_type} -> {consumers.get(n.output[0], '?')}" for n in graph.node if n.op_type.startswith("Memcpy")]
+
+
+def inspect_model(path: str | Path, *, size_hw: tuple[int, int] | None = (640, 640)) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"{path} does not exist")
+    check_external_data(path)
+    model = onnx.load(str(path), load_external_data=False)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    inputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_inputs()]
+    outputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_outputs()]
+    info = {
+        "path": str(path), "ir_version": model.ir_version,
+        "opset": {d.domain or "ai.onnx": d.version for d in model.opset_import},
+        "producer": f"{model.producer_name} {model.producer_version}".strip(),
+        "nodes": len(model.graph.node),
+        "ops": dict(Counter(n.op_type for n in model.graph.node).most_common(12)),
+        "inputs": [s.describe() for s in inputs], "outputs": [s.describe() for s in outputs],
+    }
+    try:
+        image = find_image_input(inputs, path)
+        info["image_input"] = {"name": image.name, "layout": image.layout, "dtype": image.dtype,
+                               "size_hw": image.size_hw or "any (preprocess.size)"}
+    except ModelError as e:
+        info["image_input"] = f"none: {e}"
+    try:
+        info["contract"] = detect_contract(outputs, "auto", path)
+    except ModelError as e:
+        info["contract"] = f"none: {e}"
+    if _cuda_problem(0) is None and isinstance(info["image_input"], dict):
+        spec = next(s for s in inputs if s.name == image.name)
+        dims = spec.shape[2:4] if image.layout == "NCHW" else spec.shape[1:3]
+        info["cuda_memcpy_nodes"] = memcpy_nodes(path, image.size_hw or size_hw, dims)
+    else:
+        info["cuda_memcpy_nodes"] = "not checked: no usable GPU here"
+    return info
+
+
+def format_info(info: dict) -> str:
+    lines = [f"model      {info['path']}", f"ir/opset   {info['ir_version']} / " +
+             ", ".join(f"{k} {v}" for k, v in info["opset"].items()),
+             f"producer   {info['producer'] or '-'}", f"nodes      {info['nodes']} ({', '.join(info['ops'])})"]
+    lines += [f"input      {s}" for s in info["inputs"]] + [f"output     {s}" for s in info["outputs"]]
+    lines.append(f"image      {info['image_input']}")
+    lines.append(f"contract   {info['contract']}")
+    memcpy = info["cuda_memcpy_nodes"]
+    lines.append(f"memcpy     {memcpy}" if isinstance(memcpy, str) else
+                 f"memcpy     {len(memcpy)} on the CUDA EP" + "".join(f"\n             {m}" for m in memcpy))
+    return "\n".join(lines)

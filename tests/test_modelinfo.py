@@ -1,0 +1,33 @@
+"""`gpudet inspect`."""
+
+import json
+
+import onnx
+
+from pipeline.cli import main
+
+from conftest import ROOT
+
+
+def test_inspect_reports_io_and_contract(capsys):
+    assert main(["inspect", str(ROOT / "models" / "retinaface_mnet025.onnx")]) == 0
+    text = capsys.readouterr().out
+    assert "contract   end_to_end" in text and "input      input float [batch_size, 3, height, width]" in text
+    assert "ai.onnx 11" in text
+    assert main(["inspect", str(ROOT / "models" / "retinaface_mnet025_heads_640.onnx"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["contract"] == "ssd_heads" and info["image_input"]["size_hw"] == [640, 640]
+    assert "loc float [batch_size, 16800, 4]" in info["outputs"]
+
+
+def test_inspect_explains_a_model_that_fits_no_contract(tmp_path, capsys):
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["x"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3, 8, 8])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 3, 8, 8])])
+    path = tmp_path / "identity.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8), path)
+    assert main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "contract   none" in text and "y float [1, 3, 8, 8]" in text and "boxes (rank 2)" in text
+    assert main(["inspect", str(tmp_path / "missing.onnx")]) == 2
