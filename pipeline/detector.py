@@ -42,12 +42,11 @@ class StageClock:
         self._stack: list[str] = []
         self._since = 0.0
 
-    def _charge(self) -> float:
+    def _charge(self) -> None:
         now = time.perf_counter()
         if self._stack:
             self.seconds[self._stack[-1]] += now - self._since
         self._since = now
-        return now
 
     @contextmanager
     def __call__(self, stage: str):
@@ -68,7 +67,6 @@ class StageClock:
             if item is _END:
                 return
             yield item
-
 
 
 def engine_args(config: Config) -> dict:
@@ -105,10 +103,8 @@ def decode_failed(item: EncodedImage, cause: Exception) -> ImageError:
 
 def isolate(preprocessor: Preprocessor, items: list[EncodedImage],
             on_error: Callable[[list[ImageError]], None]) -> Iterator[PreprocessedBatch]:
-    """Retry a failed group in halves, one at a time, down to single images; report those."""
-    if len(items) == 1:
-        on_error([decode_failed(items[0], RuntimeError("the decoder rejected this image"))])
-        return
+    """Retry a group of two or more that failed together in halves, one at a time, down to single
+    images; report those that fail alone."""
     half = len(items) // 2
     for part in (items[:half], items[half:]):
         try:
@@ -186,26 +182,6 @@ def out_of_memory(device: Device, chunk: int, batch_size: int, error: Exception)
                           f"--batch-size (now {batch_size}), raise run.gpu_mem_limit_mb, or free the GPU ({error})")
 
 
-def warm_up_engine(engine: Engine, config: Config, device: Device) -> int:
-    """Run the model once at setup; return how many images it can run at once (halving on OOM)."""
-    chunk = config.run.batch_size
-    size_hw = engine.image_input.size_hw or tuple(config.preprocess.size)
-    while True:
-        try:
-            engine.warm_up(chunk, size_hw)
-            return chunk
-        except Exception as e:
-            if not (device.is_cuda and is_out_of_memory(e)):
-                raise
-            if not config.run.oom_retry or chunk == 1:
-                raise out_of_memory(device, chunk, config.run.batch_size, e) from e
-            chunk //= 2
-            log.warning("GPU out of memory at warm-up: running the model on %d images at a time", chunk)
-            torch.cuda.empty_cache()
-
-
-
-
 class Detector:
     """One model on one device, ready to run: build it once, stream any number of sources.
 
@@ -226,8 +202,9 @@ class Detector:
         m = config.model
         self.ssd_heads = SsdHeads(strides=m.anchor_strides, sizes=m.anchor_sizes, variances=m.box_variances,
                                   pre_nms_top_k=config.postprocess.pre_nms_top_k, device=self.device.torch)
-        self.model_batch = warm_up_engine(self.engine, config, self.device)
+        self.model_batch = config.run.batch_size
         """Images per model run: run.batch_size, or less after a GPU out-of-memory."""
+        self._warm_up()
 
     @classmethod
     def from_config(cls, config: str | Path | None = None, *, model: str | None = None, device: str | None = None,
@@ -264,6 +241,26 @@ class Detector:
                 return found if on_device else found.to_host()
         return postprocess
 
+    def _shrink_model_batch(self, error: Exception, images: int) -> None:
+        """After a failed model run on `images` images: halve the model batch if the failure was a
+        GPU out-of-memory and run.oom_retry allows it; otherwise raise."""
+        if not (self.device.is_cuda and is_out_of_memory(error)):
+            raise error
+        if not self.config.run.oom_retry or self.model_batch == 1:
+            raise out_of_memory(self.device, self.model_batch, self.config.run.batch_size, error) from error
+        self.model_batch = max(1, min(self.model_batch, images) // 2)
+        log.warning("GPU out of memory: running the model on %d images at a time from now on", self.model_batch)
+        torch.cuda.empty_cache()
+
+    def _warm_up(self) -> None:
+        """Run the model once at setup (cuDNN's algorithm search happens here, not on batch 1)."""
+        size_hw = self.engine.image_input.size_hw or tuple(self.config.preprocess.size)
+        while True:
+            try:
+                return self.engine.warm_up(self.model_batch, size_hw)
+            except Exception as e:
+                self._shrink_model_batch(e, self.model_batch)
+
     def _infer(self, batch: PreprocessedBatch, postprocess, clock: StageClock):
         """Engine + postprocess on one batch, halving the model batch on GPU out-of-memory."""
         while True:
@@ -271,14 +268,7 @@ class Detector:
                 with clock("engine"):  # ORT: DALI's buffer bound via DLPack, outputs stay on the device
                     return infer(self.engine, batch, chunk=self.model_batch, postprocess=postprocess)
             except Exception as e:
-                if not (self.device.is_cuda and is_out_of_memory(e)):
-                    raise
-                if not self.config.run.oom_retry or self.model_batch == 1:
-                    raise out_of_memory(self.device, self.model_batch, self.config.run.batch_size, e) from e
-                self.model_batch = max(1, min(self.model_batch, batch.orig_hw.shape[0]) // 2)
-                log.warning("GPU out of memory: running the model on %d images at a time from now on",
-                            self.model_batch)
-                torch.cuda.empty_cache()
+                self._shrink_model_batch(e, batch.orig_hw.shape[0])
 
     def stream(self, refs: list[ImageRef], on_error: Callable[[list[ImageError]], None], *,
                clock: StageClock | None = None, on_device: bool = False

@@ -46,7 +46,8 @@ def inspect_model(path: str | Path, *, size_hw: tuple[int, int] | None = (640, 6
     info = {
         "path": str(path), "ir_version": model.ir_version,
         "opset": {d.domain or "ai.onnx": d.version for d in model.opset_import},
-        "producer": model.producer_name + (f" (version field: {model.producer_version})" if model.producer_version else ""),
+        "producer": model.producer_name + (f" (version field: {model.producer_version})"
+                                           if model.producer_version else ""),
         "nodes": len(model.graph.node),
         "ops": dict(Counter(n.op_type for n in model.graph.node).most_common(12)),
         "inputs": [s.describe() for s in inputs], "outputs": [s.describe() for s in outputs],

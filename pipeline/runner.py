@@ -20,6 +20,7 @@ from .detector import Detector, StageClock
 from .sinks import JsonlWriter, detection_records, errors_records, read_complete_records, write_json_atomic
 from .source import ImageError, ImageRef, list_images
 
+
 def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

@@ -89,10 +89,12 @@ def test_exif_orientation_is_applied(device):
 
 
 def test_a_failed_run_needs_a_rebuild_and_then_works():
+    from pipeline.preprocess import PreprocessFailure
+
     p = preprocessor("cpu")
     good = EncodedImage(ImageRef(0, "china.jpg"), np.fromfile(SAMPLES / "china.jpg", np.uint8))
     bad = EncodedImage(ImageRef(1, "bad.jpg"), np.frombuffer(b"\xff\xd8\xff" + b"\x00" * 100, np.uint8))
-    with pytest.raises(Exception):
+    with pytest.raises(PreprocessFailure):
         p.run([good, bad])
     p.rebuild()
     assert p.run([good]).orig_hw.tolist() == [[427, 640]]

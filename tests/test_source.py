@@ -1,6 +1,6 @@
 import pytest
 
-from pipeline.source import EncodedImage, ImageError, ImageRef, SourceError, list_images, read_batches, read_checked
+from pipeline.source import EncodedImage, ImageRef, SourceError, list_images, read_batches, read_checked
 
 from conftest import SAMPLES
 
