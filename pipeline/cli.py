@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="override any config key, e.g. --set postprocess.score_threshold=0.5 (repeatable)")
     detect.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bar (default: only on a terminal)")
+    detect.add_argument("--devices", help="several devices of this host, one worker each: 0,1 | all | "
+                                          "cuda:0,cuda:2 | cpu,cpu (results merged into --out)")
     again = detect.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true",
                        help="continue a run in --out: skip images already in detections.jsonl or errors.jsonl")
@@ -88,9 +90,16 @@ def cmd_detect(args: argparse.Namespace) -> int:
         overrides.append(f"run.batch_size={args.batch_size}")
     config = load_config(args.config, overrides)
     progress = False if args.quiet else args.progress
-    result = run_detect(args.source, args.out, config, root=args.root, progress=progress, resume=args.resume,
-                        overwrite=args.overwrite)
+    options = dict(root=args.root, progress=progress, resume=args.resume, overwrite=args.overwrite)
+    if args.devices:
+        from .parallel import parse_devices, run_on_devices
+
+        result = run_on_devices(args.source, args.out, config, parse_devices(args.devices), **options)
+    else:
+        result = run_detect(args.source, args.out, config, **options)
     s = result.summary
+    for failure in s.get("failed_workers", []):
+        log.error("%s; what it wrote is kept, run again with --resume", failure)
     log.info("run finished", extra={"summary": {k: s[k] for k in ("images", "already_done", "processed", "failed",
                                                                   "detections", "images_per_s", "interrupted")}})
     if s["interrupted"]:
@@ -104,7 +113,13 @@ def summary_table(s: dict) -> str:
     done = f" (+{s['already_done']} done before)" if s["already_done"] else ""
     lines = [f"gpudet: {s['processed']}/{s['images']} images{done}, {s['detections']} detections, {s['failed']} failed "
              f"in {s['seconds']['total']:.2f}s ({s['images_per_s']} img/s on {s['device']})",
-             "        stages: " + ", ".join(f"{k} {v:.2f}s" for k, v in s["seconds"].items() if k != "total")]
+             ]
+    stages = [f"{k} {v:.2f}s" for k, v in s["seconds"].items() if k != "total"]
+    if stages:
+        lines.append("        stages: " + ", ".join(stages))
+    for w in s.get("workers", []):
+        lines.append(f"        worker {w['device']}: {w['processed']} images, {w['failed']} failed, "
+                     f"{w['images_per_s'] or '-'} img/s, exit {w['exit_code']}")
     if s["failed_by_reason"]:
         lines.append("        failed: " + ", ".join(f"{k} {v}" for k, v in sorted(s["failed_by_reason"].items())))
     lines.append(f"        results in {s['out']}/detections.jsonl" +
@@ -186,6 +201,13 @@ def _raise_keyboard_interrupt(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_json, args.quiet)
+    commands = {"detect": cmd_detect, "export-coco": cmd_export_coco, "eval": cmd_eval, "draw": cmd_draw,
+                "inspect": cmd_inspect}
+    return guarded(lambda: commands[args.command](args))
+
+
+def guarded(run) -> int:
+    """Run a command, mapping what can go wrong to the documented exit codes."""
     from .config import ConfigError
     from .detector import GpuOutOfMemory
     from .device import DeviceError
@@ -195,10 +217,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # SIGTERM (a scheduler stopping the job) stops as cleanly as Ctrl-C: whole records, a summary.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    commands = {"detect": cmd_detect, "export-coco": cmd_export_coco, "eval": cmd_eval, "draw": cmd_draw,
-                "inspect": cmd_inspect}
     try:
-        return commands[args.command](args)
+        return run()
     except (ConfigError, DeviceError, ModelError, SourceError, OutputExistsError, GpuOutOfMemory) as e:
         log.error("%s", e)
         return EXIT_USAGE

@@ -50,35 +50,50 @@ class RunResult:
 RESULT_FILES = ("detections.jsonl", "errors.jsonl")
 
 
-def images_to_do(out: Path, refs: list[ImageRef], *, resume: bool, overwrite: bool) -> list[ImageRef]:
-    """The images this run must process: all, or with --resume those not yet recorded in `out`."""
-    existing = [out / name for name in RESULT_FILES if (out / name).exists() and (out / name).stat().st_size]
+def recorded(paths: list[Path], refs: list[ImageRef]) -> set[int]:
+    """Indices recorded in result files of earlier runs, each checked to belong to `refs`."""
+    by_index = {r.index: r.path for r in refs}
+    done: set[int] = set()
+    for path in paths:
+        for record in read_complete_records(path):
+            index = record.get("index")
+            if by_index.get(index) != record.get("path"):
+                raise OutputExistsError(
+                    f"{path}: record {index} ({record.get('path')}) is not image {index} of this source; resume with "
+                    "the same source (and --root), or use --overwrite")
+            done.add(index)
+    return done
+
+
+def images_to_do(out: Path, refs: list[ImageRef], *, resume: bool, overwrite: bool,
+                 also: list[Path] = ()) -> list[ImageRef]:
+    """The images this run must process: all, or with --resume those not recorded in `out` (and in
+    `also`, result files of parallel workers). Results there without either flag are an error."""
+    existing = [p for p in [out / name for name in RESULT_FILES] + list(also) if p.exists() and p.stat().st_size]
     if not existing or overwrite:
         return refs
     if not resume:
         raise OutputExistsError(f"{existing[0]} already holds results; pass --resume to process only the images "
                                 "not yet recorded there, or --overwrite to start again")
-    done: set[int] = set()
-    for path in existing:
-        for record in read_complete_records(path):
-            index = record.get("index")
-            if not isinstance(index, int) or index >= len(refs) or refs[index].path != record.get("path"):
-                raise OutputExistsError(
-                    f"{path}: record {record.get('index')} ({record.get('path')}) does not match this source's "
-                    f"image {index}; resume with the same source (and --root), or use --overwrite")
-            done.add(index)
+    done = recorded(existing, refs)
     return [r for r in refs if r.index not in done]
 
 
 def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | None = None,
                progress: bool | None = None, resume: bool = False, overwrite: bool = False) -> RunResult:
-    """Detect on every image of `source`, streaming results into `out_dir`."""
-    started = datetime.now(timezone.utc)
-    t0 = time.perf_counter()
+    """Detect on every image of `source`, streaming results into `out_dir` (one process, one device)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     refs: list[ImageRef] = list_images(source, root=root)
     todo = images_to_do(out, refs, resume=resume, overwrite=overwrite)
+    return process(todo, out, config, append=resume, progress=progress, source=str(source), images=len(refs))
+
+
+def process(todo: list[ImageRef], out: Path, config: Config, *, append: bool, progress: bool | None, source: str,
+            images: int) -> RunResult:
+    """Run the detector over `todo` and write its records into `out` (appending, or starting anew)."""
+    started = datetime.now(timezone.utc)
+    t0 = time.perf_counter()
     detector = Detector(config)
     clock = StageClock()
     tally = Tally()
@@ -86,8 +101,8 @@ def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | 
     from tqdm import tqdm
 
     setup_s = time.perf_counter() - t0
-    with JsonlWriter(out / RESULT_FILES[0], append=resume) as results, \
-            JsonlWriter(out / RESULT_FILES[1], append=resume) as errors, \
+    with JsonlWriter(out / RESULT_FILES[0], append=append) as results, \
+            JsonlWriter(out / RESULT_FILES[1], append=append) as errors, \
             tqdm(total=len(todo), unit="img", disable=not show, dynamic_ncols=True) as bar:
 
         def record_errors(failed: list[ImageError]) -> None:
@@ -107,21 +122,25 @@ def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | 
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was written stays; --resume continues
             tally.interrupted = True
     tally.model_batch = detector.model_batch
-    summary = make_summary(source, out, refs, todo, tally, detector, clock, setup_s, time.perf_counter() - t0, started)
+    summary = make_summary(source, out, images, len(todo), tally, detector, clock, setup_s,
+                           time.perf_counter() - t0, started)
     write_json_atomic(out / "summary.json", summary)
-    exit_code = 130 if tally.interrupted else 3 if tally.failed else 0
-    return RunResult(summary=summary, exit_code=exit_code)
+    return RunResult(summary=summary, exit_code=exit_code_of(tally))
 
 
-def make_summary(source, out: Path, refs: list[ImageRef], todo: list[ImageRef], tally: Tally, detector: Detector,
+def exit_code_of(tally: Tally) -> int:
+    return 130 if tally.interrupted else 3 if tally.failed else 0
+
+
+def make_summary(source: str, out: Path, images: int, todo: int, tally: Tally, detector: Detector,
                  clock: StageClock, setup_s: float, elapsed: float, started: datetime) -> dict:
     engine = detector.engine
     return {
         "gpudet": __version__,
-        "source": str(source),
+        "source": source,
         "out": str(out),
-        "images": len(refs),
-        "already_done": len(refs) - len(todo),
+        "images": images,
+        "already_done": images - todo,
         "processed": tally.processed,
         "failed": tally.failed,
         "failed_by_reason": dict(tally.failed_by_reason),

@@ -1,0 +1,52 @@
+"""Several workers on one host (`--devices`): each image exactly once, a failing worker reported."""
+
+import json
+
+import pytest
+
+from pipeline.cli import main
+from pipeline.device import DeviceError
+from pipeline.parallel import parse_devices
+
+from conftest import SAMPLES, cuda_usable, read_jsonl
+
+
+def by_index(path):
+    return sorted(read_jsonl(path), key=lambda r: r["index"])
+
+
+def test_parse_devices():
+    assert parse_devices("0,1") == ["cuda:0", "cuda:1"]
+    assert parse_devices("cuda:2, cpu") == ["cuda:2", "cpu"]
+    with pytest.raises(DeviceError, match="gpu0"):
+        parse_devices("gpu0")
+    if not cuda_usable():
+        with pytest.raises(DeviceError, match="no CUDA GPU"):
+            parse_devices("all")
+
+
+def test_two_workers_give_the_single_process_results(tmp_path):
+    assert main(["detect", str(SAMPLES), "--out", str(tmp_path / "one"), "--device", "cpu", "--quiet"]) == 0
+    assert main(["detect", str(SAMPLES), "--out", str(tmp_path / "two"), "--devices", "cpu,cpu", "--quiet"]) == 0
+    assert by_index(tmp_path / "one" / "detections.jsonl") == by_index(tmp_path / "two" / "detections.jsonl")
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert [w["processed"] for w in summary["workers"]] == [3, 3] and summary["failed_workers"] == []
+
+
+@pytest.mark.skipif(cuda_usable(), reason="needs a device that fails: cuda:7 on a machine without GPUs")
+def test_a_failing_worker_is_reported_and_resume_finishes(tmp_path, capsys):
+    out = tmp_path / "out"
+    (tmp_path / "bad.jpg").write_bytes(b"")
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"{p}\n" for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md") +
+                       f"{tmp_path / 'bad.jpg'}\n")
+    assert main(["detect", str(listing), "--out", str(out), "--devices", "cpu,cuda:7", "--quiet"]) == 1
+    assert "worker 1 on cuda:7 exited with code 2" in capsys.readouterr().err
+    first = read_jsonl(out / "detections.jsonl") + read_jsonl(out / "errors.jsonl")
+    assert sorted(r["index"] for r in first) == [0, 2, 4, 6]  # worker 0's share; nothing lost
+    # The empty file was worker 0's and is recorded already: this run's images all succeed.
+    assert main(["detect", str(listing), "--out", str(out), "--devices", "cpu,cpu,cpu", "--resume", "--quiet"]) == 0
+    done = read_jsonl(out / "detections.jsonl")
+    failed = read_jsonl(out / "errors.jsonl")
+    assert sorted([r["index"] for r in done] + [e["index"] for e in failed]) == list(range(7))
+    assert [e["reason"] for e in failed] == ["empty"]
