@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="progress bar (default: only on a terminal)")
     detect.add_argument("--devices", help="several devices of this host, one worker each: 0,1 | all | "
                                           "cuda:0,cuda:2 | cpu,cpu (results merged into --out)")
+    detect.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                        help="run on a Ray cluster (ADDRESS, e.g. ray://head:10001; none: a local one)")
+    detect.add_argument("--workers", type=int, default=2, help="--ray: detector actors (default 2)")
     again = detect.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true",
                        help="continue a run in --out: skip images already in detections.jsonl or errors.jsonl")
@@ -78,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
-    from .config import load_config
+    from .config import ConfigError, load_config
     from .runner import run_detect
 
     overrides = list(args.overrides)
@@ -91,10 +94,16 @@ def cmd_detect(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides)
     progress = False if args.quiet else args.progress
     options = dict(root=args.root, progress=progress, resume=args.resume, overwrite=args.overwrite)
+    if args.devices and args.ray is not None:
+        raise ConfigError("--devices and --ray do not go together: Ray places one actor per GPU itself")
     if args.devices:
         from .parallel import parse_devices, run_on_devices
 
         result = run_on_devices(args.source, args.out, config, parse_devices(args.devices), **options)
+    elif args.ray is not None:
+        from .distributed import run_on_ray
+
+        result = run_on_ray(args.source, args.out, config, address=args.ray or None, workers=args.workers, **options)
     else:
         result = run_detect(args.source, args.out, config, **options)
     s = result.summary
