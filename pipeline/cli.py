@@ -1,4 +1,4 @@
-"""Command line: `gpudet detect | inspect | eval | export-coco | draw` (also `python -m pipeline ...`).
+"""Command line: `gpudet detect | bench | inspect | eval | export-coco | draw` (also `python -m pipeline ...`).
 
 Exit codes: 0 every image processed; 3 finished, some images failed (see errors.jsonl);
 2 bad usage, config, source, model or device; 1 internal error; 130 interrupted.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import signal
 import sys
 import time
@@ -71,6 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--size", type=int, nargs=2, default=(640, 640), metavar=("HEIGHT", "WIDTH"),
                          help="input size for models whose size is dynamic (default 640 640)")
     inspect.add_argument("--json", action="store_true", help="print JSON")
+
+    bench = commands.add_parser("bench", parents=[common], help="gpudet against the naive loop, the model alone "
+                                                                "and DALI alone, in one run")
+    bench.add_argument("source", help="images to measure on (make them with scripts/make_image_set.py)")
+    bench.add_argument("--config", help="YAML config (default: the embedded RetinaFace config)")
+    bench.add_argument("--device", help="auto | cpu | cuda | cuda:N")
+    bench.add_argument("--batch-size", type=int, help="images per batch")
+    bench.add_argument("--limit", type=int, default=1000, help="use the first N images (default 1000)")
+    bench.add_argument("--iterations", type=int, default=20, help="repeats of the model-only and DALI-only batch")
+    bench.add_argument("--skip-naive", action="store_true", help="leave out the (slow) naive baseline")
+    bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    bench.add_argument("--json", help="also write the report here")
 
     draw = commands.add_parser("draw", parents=[common], help="draw detections onto the images")
     draw.add_argument("detections", help="detections.jsonl written by gpudet detect")
@@ -185,6 +198,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import format_report, run_bench, write_report
+    from .config import load_config
+
+    overrides = list(args.overrides)
+    if args.device:
+        overrides.append(f"run.device={args.device}")
+    if args.batch_size is not None:
+        overrides.append(f"run.batch_size={args.batch_size}")
+    report = run_bench(args.source, load_config(args.config, overrides), limit=args.limit,
+                       iterations=args.iterations, skip_naive=args.skip_naive,
+                       command=shlex.join(["gpudet", *args.argv]))
+    if args.json:
+        write_report(report, args.json)
+    print(format_report(report))
+    return EXIT_OK
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)), "level": record.levelname,
@@ -209,9 +240,10 @@ def _raise_keyboard_interrupt(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging(args.log_level, args.log_json, args.quiet)
     commands = {"detect": cmd_detect, "export-coco": cmd_export_coco, "eval": cmd_eval, "draw": cmd_draw,
-                "inspect": cmd_inspect}
+                "inspect": cmd_inspect, "bench": cmd_bench}
     return guarded(lambda: commands[args.command](args))
 
 

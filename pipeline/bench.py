@@ -1,0 +1,159 @@
+"""`gpudet bench`: side by side, in one run, on the same images and model.
+
+    naive        PIL decode + letterbox + numpy normalize, `session.run` with numpy in and out,
+                 one image at a time: what users write first
+    gpudet       the whole pipeline (Detector.stream), records written to a JSONL file
+    model        ORT alone with IOBinding on one preprocessed batch, repeated
+    preprocess   DALI alone on the same images
+
+Each measurement is warmed up first and counts images/s over the whole set (model: over
+repeated batches). Ratios are computed here, from this run; the report records hardware,
+versions, date and the exact command. Torch-eager and DataLoader baselines (they need
+torchvision's RetinaNet) are not in yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from .config import Config
+from .detector import Detector
+from .sinks import JsonlWriter, detection_records
+from .source import EncodedImage, ImageRef, list_images, read_checked
+
+
+def naive_images_per_s(refs: list[ImageRef], detector: Detector) -> float:
+    """The baseline: PIL + numpy on the host, one `session.run` per image with numpy arrays."""
+    import onnxruntime as ort
+    from PIL import Image, ImageOps
+
+    config, engine = detector.config, detector.engine
+    p = config.preprocess
+    height, width = engine.image_input.size_hw or tuple(p.size)
+    dtype = np.float16 if engine.image_input.dtype == "float16" else np.float32
+    providers = engine.session.get_providers()
+    session = ort.InferenceSession(str(detector.model_path), providers=providers)
+    names = {i.name for i in session.get_inputs()}
+    scalars = {k: np.array([v], np.int64 if k == "max_detections" else np.float32)
+               for k, v in (("score_threshold", config.postprocess.score_threshold),
+                            ("iou_threshold", config.postprocess.iou_threshold),
+                            ("max_detections", config.postprocess.max_detections)) if k in names}
+    mean, std = np.array(p.mean, np.float32), np.array(p.std, np.float32)
+
+    def one(path: str) -> None:
+        image = ImageOps.exif_transpose(Image.open(path)).convert("RGB")
+        scale = min(height / image.height, width / image.width)
+        resized = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))),
+                               Image.Resampling.BILINEAR)
+        canvas = np.full((height, width, 3), p.pad_value, np.float32)
+        pixels = np.asarray(resized, np.float32)
+        canvas[:pixels.shape[0], :pixels.shape[1]] = pixels[..., ::-1] if p.channel_order == "BGR" else pixels
+        tensor = ((canvas - mean) / std).astype(dtype)
+        tensor = tensor.transpose(2, 0, 1)[None] if engine.image_input.layout == "NCHW" else tensor[None]
+        outputs = session.run(None, {engine.image_input.name: np.ascontiguousarray(tensor), **scalars})
+        _ = [o.shape for o in outputs]  # the outputs are numpy on the host: the copy happened
+
+    for ref in refs[:2]:  # warm-up
+        one(ref.path)
+    start = time.perf_counter()
+    for ref in refs:
+        one(ref.path)
+    return len(refs) / (time.perf_counter() - start)
+
+
+def gpudet_images_per_s(refs: list[ImageRef], detector: Detector) -> float:
+    """The pipeline as `gpudet detect` runs it: read, DALI, ORT, postprocess, JSONL records."""
+    labels = detector.config.model.labels
+    with tempfile.TemporaryDirectory() as tmp:
+        list(detector.stream(refs[:detector.config.run.batch_size], lambda errors: None))  # warm-up
+        start = time.perf_counter()
+        with JsonlWriter(Path(tmp) / "detections.jsonl") as out:
+            for batch, found in detector.stream(refs, lambda errors: None):
+                out.append(detection_records(batch, found, labels))
+        return len(refs) / (time.perf_counter() - start)
+
+
+def model_images_per_s(items: list[EncodedImage], detector: Detector, iterations: int) -> float:
+    batch = detector.preprocessor.run(items)
+    for _ in range(3):
+        detector.engine.run(batch.images)
+    start = time.perf_counter()
+    for _ in range(iterations):
+        detector.engine.run(batch.images)
+    return len(items) * iterations / (time.perf_counter() - start)
+
+
+def preprocess_images_per_s(items: list[EncodedImage], detector: Detector, iterations: int) -> float:
+    for _ in range(2):
+        detector.preprocessor.run(items)
+    start = time.perf_counter()
+    for _ in range(iterations):
+        detector.preprocessor.run(items)
+    return len(items) * iterations / (time.perf_counter() - start)
+
+
+def machine() -> dict:
+    import onnxruntime
+    import torch
+    from nvidia import dali
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"cpu": cpu, "cores": os.cpu_count(), "gpus": gpus, "python": platform.python_version(),
+            "torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "dali": dali.__version__}
+
+
+def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_naive: bool = False,
+              command: str = "") -> dict:
+    refs = list_images(source)[:limit]
+    refs = [ImageRef(i, r.path) for i, r in enumerate(refs)]
+    detector = Detector(config)
+    items = [i for i in map(read_checked, refs[:config.run.batch_size]) if isinstance(i, EncodedImage)]
+    rates = {
+        "gpudet": gpudet_images_per_s(refs, detector),
+        "model": model_images_per_s(items, detector, iterations),
+        "preprocess": preprocess_images_per_s(items, detector, iterations),
+    }
+    if not skip_naive:
+        rates["naive"] = naive_images_per_s(refs, detector)
+    ratios = {"gpudet / model": rates["gpudet"] / rates["model"]}
+    if "naive" in rates:
+        ratios["gpudet / naive"] = rates["gpudet"] / rates["naive"]
+    return {
+        "images": len(refs), "batch_size": config.run.batch_size, "device": detector.device.describe(),
+        "model": str(detector.model_path), "contract": detector.contract,
+        "images_per_s": {k: round(v, 2) for k, v in rates.items()},
+        "ratios": {k: round(v, 3) for k, v in ratios.items()},
+        "machine": machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+    }
+
+
+def format_report(report: dict) -> str:
+    lines = [f"gpudet bench: {report['images']} images, batch {report['batch_size']}, {report['device']}, "
+             f"{Path(report['model']).name} ({report['contract']})",
+             f"  {'what':<12} {'images/s':>10}"]
+    for name, rate in report["images_per_s"].items():
+        lines.append(f"  {name:<12} {rate:>10.1f}")
+    lines += [f"  {name:<16} {value:.2f}x" for name, value in report["ratios"].items()]
+    m = report["machine"]
+    lines.append(f"  on {m['cpu']} ({m['cores']} cores){', ' + ', '.join(m['gpus']) if m['gpus'] else ''}; "
+                 f"torch {m['torch']}, onnxruntime {m['onnxruntime']}, dali {m['dali']}; {report['date']}")
+    return "\n".join(lines)
+
+
+def write_report(report: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")

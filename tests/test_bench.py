@@ -1,0 +1,22 @@
+"""`gpudet bench` runs every measurement side by side and reports ratios, machine and command."""
+
+import json
+
+from pipeline.cli import main
+
+from conftest import SAMPLES
+
+
+def test_bench_reports_rates_ratios_and_the_machine(tmp_path, capsys):
+    report_path = tmp_path / "bench.json"
+    assert main(["bench", str(SAMPLES), "--device", "cpu", "--batch-size", "4", "--limit", "6", "--iterations", "1",
+                 "--json", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    assert set(report["images_per_s"]) == {"gpudet", "model", "preprocess", "naive"}
+    assert all(rate > 0 for rate in report["images_per_s"].values())
+    assert report["ratios"]["gpudet / naive"] == round(report["images_per_s"]["gpudet"] /
+                                                       report["images_per_s"]["naive"], 3)
+    assert report["images"] == 6 and report["machine"]["cores"] >= 1 and report["date"]
+    assert report["command"] == (f"gpudet bench {SAMPLES} --device cpu --batch-size 4 --limit 6 --iterations 1 "
+                                 f"--json {report_path}")
+    assert "gpudet / naive" in capsys.readouterr().out
