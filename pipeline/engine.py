@@ -12,7 +12,7 @@ CUDA OrtValue it is a device-to-host copy.
 
 Stream ordering: ORT's CUDA EP runs on its own stream and synchronizes it before
 `run_with_iobinding` returns (ORT's default). The outputs are therefore complete for any torch
-stream, and DALI's input buffer is free to be reused by the next preprocess run.
+stream, and ORT is done with DALI's input buffer.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Time each stage alone on one fixed batch: DALI preprocess, ORT engine, torch postprocess.
 
-A probe for finding where the time goes (not the benchmark: that is `gpudet bench`, to come).
+A probe for finding where the time goes (the side-by-side benchmark is `gpudet bench`).
 Each stage is warmed up, then run --iters times; every stage ends in a host sync, so host clocks
 measure it. Usage:
     python scripts/probe_stages.py SOURCE [--device cuda] [--batch-size 32] [--iters 50]
