@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from .config import Config
-from .detector import Detector
+from .detector import Detector, engine_args
+from .engine import SCALAR_INPUTS
 from .sinks import JsonlWriter, detection_records
 from .source import EncodedImage, ImageRef, list_images, read_checked
 
@@ -42,10 +43,7 @@ def naive_images_per_s(refs: list[ImageRef], detector: Detector) -> float:
     providers = engine.session.get_providers()
     session = ort.InferenceSession(str(detector.model_path), providers=providers)
     names = {i.name for i in session.get_inputs()}
-    scalars = {k: np.array([v], np.int64 if k == "max_detections" else np.float32)
-               for k, v in (("score_threshold", config.postprocess.score_threshold),
-                            ("iou_threshold", config.postprocess.iou_threshold),
-                            ("max_detections", config.postprocess.max_detections)) if k in names}
+    scalars = {k: np.array([v], SCALAR_INPUTS[k]) for k, v in engine_args(config)["scalars"].items() if k in names}
     mean, std = np.array(p.mean, np.float32), np.array(p.std, np.float32)
 
     def one(path: str) -> None:

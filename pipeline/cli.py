@@ -94,16 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
-    from .config import ConfigError, load_config
+    from .config import ConfigError, load_config, option_overrides
     from .runner import run_detect
 
-    overrides = list(args.overrides)
-    if args.model:
-        overrides.append(f"model.path={json.dumps(args.model)}")
-    if args.device:
-        overrides.append(f"run.device={args.device}")
-    if args.batch_size is not None:
-        overrides.append(f"run.batch_size={args.batch_size}")
+    overrides = args.overrides + option_overrides(model=args.model, device=args.device, batch_size=args.batch_size)
     config = load_config(args.config, overrides)
     progress = False if args.quiet else args.progress
     options = dict(root=args.root, progress=progress, resume=args.resume, overwrite=args.overwrite)
@@ -200,13 +194,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import format_report, run_bench, write_report
-    from .config import load_config
+    from .config import load_config, option_overrides
 
-    overrides = list(args.overrides)
-    if args.device:
-        overrides.append(f"run.device={args.device}")
-    if args.batch_size is not None:
-        overrides.append(f"run.batch_size={args.batch_size}")
+    overrides = args.overrides + option_overrides(device=args.device, batch_size=args.batch_size)
     report = run_bench(args.source, load_config(args.config, overrides), limit=args.limit,
                        iterations=args.iterations, skip_naive=args.skip_naive,
                        command=shlex.join(["gpudet", *args.argv]))

@@ -8,6 +8,7 @@ stage modules read this; the stages themselves take plain keyword arguments.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -183,6 +184,19 @@ def _data_dir(name: str) -> Path:
     package = Path(__file__).resolve().parent
     installed = package / name
     return installed if installed.is_dir() else package.parent / name
+
+
+def option_overrides(*, model: str | None = None, device: str | None = None,
+                     batch_size: int | None = None) -> list[str]:
+    """The `--set` overrides that the --model, --device and --batch-size options stand for."""
+    overrides = []
+    if model is not None:
+        overrides.append(f"model.path={json.dumps(str(model))}")
+    if device is not None:
+        overrides.append(f"run.device={device}")
+    if batch_size is not None:
+        overrides.append(f"run.batch_size={batch_size}")
+    return overrides
 
 
 def builtin_config(name: str = "retinaface_mnet025.yaml") -> Path:

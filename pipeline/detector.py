@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import Config, load_config, resolve_model_path
+from .config import Config, load_config, option_overrides, resolve_model_path
 from .device import Device, resolve_device
 from .engine import Engine, ImageInput
 from .postprocess import DeviceDetections, Detections, SsdHeads, detect_contract, end_to_end_device, to_device_meta
@@ -210,14 +210,8 @@ class Detector:
     def from_config(cls, config: str | Path | None = None, *, model: str | None = None, device: str | None = None,
                     batch_size: int | None = None, overrides: Iterable[str] = ()) -> Detector:
         """Load a YAML config (default: the embedded RetinaFace) with optional overrides."""
-        extra = list(overrides)
-        if model is not None:
-            extra.append(f"model.path={model!r}")
-        if device is not None:
-            extra.append(f"run.device={device}")
-        if batch_size is not None:
-            extra.append(f"run.batch_size={batch_size}")
-        return cls(load_config(config, extra))
+        return cls(load_config(config, list(overrides) + option_overrides(model=model, device=device,
+                                                                            batch_size=batch_size)))
 
     def _postprocess(self, clock: StageClock, on_device: bool):
         p = self.config.postprocess

@@ -14,8 +14,24 @@ from .engine import ModelError, TensorSpec, check_external_data, find_image_inpu
 from .postprocess import detect_contract
 
 
-def memcpy_nodes(model_path: Path, size_hw: tuple[int, int] | None, dims: tuple, device_index: int = 0) -> list[str]:
-    """Memcpy nodes ORT inserts on the CUDA EP (host round trips per run), as 'op -> consumer'."""
+def declared_io(model_path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The model's inputs and outputs as declared (symbolic dims kept), from an unoptimized CPU session."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+    return ([TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_inputs()],
+            [TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_outputs()])
+
+
+def memcpy_nodes(model_path: Path, size_hw: tuple[int, int] | None, *, device_index: int = 0,
+                 cuda_options: dict[str, str] | None = None) -> list[str]:
+    """Memcpy nodes ORT inserts on the CUDA EP (host round trips per run), as 'op -> consumer'.
+    size_hw fixes a symbolic input height/width as the pipeline does (None: leave them symbolic)."""
+    inputs, _ = declared_io(model_path)
+    image = find_image_input(inputs, model_path)
+    spec = next(s for s in inputs if s.name == image.name)
+    dims = spec.shape[2:4] if image.layout == "NCHW" else spec.shape[1:3]
     with tempfile.TemporaryDirectory() as tmp:
         options = ort.SessionOptions()
         options.log_severity_level = 3
@@ -24,8 +40,8 @@ def memcpy_nodes(model_path: Path, size_hw: tuple[int, int] | None, dims: tuple,
             if isinstance(dim, str):
                 options.add_free_dimension_override_by_name(dim, value)
         ort.preload_dlls()
-        ort.InferenceSession(str(model_path), options,
-                             providers=[("CUDAExecutionProvider", {"device_id": str(device_index)})])
+        ort.InferenceSession(str(model_path), options, providers=[
+            ("CUDAExecutionProvider", {"device_id": str(device_index), **(cuda_options or {})})])
         graph = onnx.load(f"{tmp}/optimized.onnx").graph
     consumers = {i: n.name or n.op_type for n in graph.node for i in n.input}
     return [f"{n.op_type} -> {consumers.get(n.output[0], '?')}" for n in graph.node if n.op_type.startswith("Memcpy")]
@@ -37,12 +53,7 @@ def inspect_model(path: str | Path, *, size_hw: tuple[int, int] | None = (640, 6
         raise ModelError(f"{path} does not exist")
     check_external_data(path)
     model = onnx.load(str(path), load_external_data=False)
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    inputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_inputs()]
-    outputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_outputs()]
+    inputs, outputs = declared_io(path)
     info = {
         "path": str(path), "ir_version": model.ir_version,
         "opset": {d.domain or "ai.onnx": d.version for d in model.opset_import},
@@ -63,9 +74,7 @@ def inspect_model(path: str | Path, *, size_hw: tuple[int, int] | None = (640, 6
     except ModelError as e:
         info["contract"] = f"none: {e}"
     if _cuda_problem(0) is None and isinstance(info["image_input"], dict):
-        spec = next(s for s in inputs if s.name == image.name)
-        dims = spec.shape[2:4] if image.layout == "NCHW" else spec.shape[1:3]
-        info["cuda_memcpy_nodes"] = memcpy_nodes(path, image.size_hw or size_hw, dims)
+        info["cuda_memcpy_nodes"] = memcpy_nodes(path, image.size_hw or size_hw)
     else:
         info["cuda_memcpy_nodes"] = "not checked: no usable GPU here"
     return info

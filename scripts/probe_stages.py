@@ -16,6 +16,7 @@ import time
 from pipeline.config import load_config, resolve_model_path
 from pipeline.device import resolve_device
 from pipeline.engine import Engine
+from pipeline.modelinfo import memcpy_nodes
 from pipeline.postprocess import end_to_end, to_device_meta
 from pipeline.preprocess import Preprocessor
 from pipeline.detector import engine_args, preprocessor_args
@@ -76,20 +77,8 @@ def count_memcpy_nodes(engine: Engine, cuda_options: dict, fixed_size: bool) -> 
     """Memcpy nodes ORT inserts between its CUDA and CPU kernels (host round trips per run)."""
     if not engine.device.is_cuda:
         return None
-    import tempfile
-
-    import onnx
-    import onnxruntime as ort
-
-    with tempfile.TemporaryDirectory() as tmp:
-        options = ort.SessionOptions()
-        options.optimized_model_filepath = f"{tmp}/optimized.onnx"
-        spec = engine.image_input
-        for dim, value in zip(("height", "width"), (spec.size_hw or ()) if fixed_size else ()):
-            options.add_free_dimension_override_by_name(dim, value)
-        ort.InferenceSession(str(engine.model_path), options, providers=[
-            ("CUDAExecutionProvider", {"device_id": str(engine.device.index), **cuda_options})])
-        return sum(n.op_type.startswith("Memcpy") for n in onnx.load(f"{tmp}/optimized.onnx").graph.node)
+    size_hw = engine.image_input.size_hw if fixed_size else None
+    return len(memcpy_nodes(engine.model_path, size_hw, device_index=engine.device.index, cuda_options=cuda_options))
 
 
 if __name__ == "__main__":
