@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     path: str = "retinaface_mnet025.onnx"
     """ONNX file. Relative paths resolve against the config file's folder, then gpudet's models/."""
-    contract: Literal["auto", "end_to_end", "ssd_heads"] = "auto"
+    contract: Literal["auto", "end_to_end", "ssd_heads", "retinanet_heads"] = "auto"
     """How outputs are read (README, "Model contract"); auto recognises it from the output names."""
     labels: list[str] = field(default_factory=lambda: ["face"])
     """Class names, indexed by the model's label output (or label 0 when it has none)."""
@@ -77,6 +77,9 @@ class RunConfig:
     """DALI worker threads (CPU decode and CPU-side operators) and file reader threads."""
     gpu_mem_limit_mb: int = 0
     """Cap on ONNX Runtime's CUDA memory arena, in MiB (0: no cap). DALI's buffers are separate."""
+    prefer_nhwc: bool = False
+    """ONNX Runtime CUDA EP option prefer_nhwc: convolutions in channels-last (NHWC) layout, where
+    the tensor cores want it. RetinaNet R50 fp16 on the H200: 556 vs 472 img/s (docs/BENCHMARKS.md)."""
     oom_retry: bool = True
     """On GPU out-of-memory in the model, run each batch in halves (down to one image) and go on."""
 
@@ -239,4 +242,5 @@ def resolve_model_path(config: Config) -> Path:
             return candidate.resolve()
     tried = ", ".join(str(c) for c in candidates)
     raise ConfigError(f"model.path: {config.model.path} not found (looked in: {tried}); "
-                      "pass --model FILE or set model.path")
+                      "pass --model FILE or set model.path (models gpudet does not ship are made by scripts/, for "
+                      "example scripts/export_retinanet.py for torchvision RetinaNet)")

@@ -8,6 +8,7 @@ The CLI's runner writes what it yields to files; the Python API hands it to the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -23,7 +24,8 @@ import torch
 from .config import Config, load_config, option_overrides, resolve_model_path
 from .device import Device, resolve_device
 from .engine import Engine, ImageInput
-from .postprocess import DeviceDetections, Detections, SsdHeads, detect_contract, end_to_end_device, to_device_meta
+from .postprocess import (DeviceDetections, Detections, RetinaNetHeads, SsdHeads, detect_contract, end_to_end_device,
+                          to_device_meta)
 from .preprocess import PreprocessedBatch, PreprocessFailure, Preprocessor
 from .source import EncodedImage, ImageError, ImageRef, list_images, read_batches
 
@@ -71,11 +73,11 @@ class StageClock:
 
 def engine_args(config: Config) -> dict:
     p = config.postprocess
-    cuda_options = {}
+    cuda_options = {"prefer_nhwc": "1"} if config.run.prefer_nhwc else {}
     if config.run.gpu_mem_limit_mb:
         # The arena grows only by what is asked, so the cap is reached late and exactly.
-        cuda_options = {"gpu_mem_limit": str(config.run.gpu_mem_limit_mb << 20),
-                        "arena_extend_strategy": "kSameAsRequested"}
+        cuda_options.update(gpu_mem_limit=str(config.run.gpu_mem_limit_mb << 20),
+                            arena_extend_strategy="kSameAsRequested")
     return dict(scalars={"score_threshold": p.score_threshold, "iou_threshold": p.iou_threshold,
                          "max_detections": p.max_detections},
                 input_size_hw=tuple(config.preprocess.size), cuda_options=cuda_options)
@@ -86,7 +88,9 @@ def preprocessor_args(config: Config, image_input: ImageInput, device: Device) -
     height, width = image_input.size_hw or tuple(p.size)
     return dict(batch_size=config.run.batch_size, num_threads=config.run.num_threads, height=height, width=width,
                 resize=p.resize, channel_order=p.channel_order, mean=p.mean, std=p.std, pad_value=p.pad_value,
-                dtype=image_input.dtype, layout=image_input.layout, pad_partial_batches=device.is_cuda)
+                dtype=image_input.dtype, layout=image_input.layout,
+                # On the GPU a new batch shape costs a cuDNN search; a static-batch model takes no other.
+                pad_partial_batches=device.is_cuda or image_input.batch is not None)
 
 
 def decode_failed(item: EncodedImage, cause: Exception) -> ImageError:
@@ -177,9 +181,12 @@ def infer(engine: Engine, batch: PreprocessedBatch, *, chunk: int, postprocess):
     return type(parts[0]).concatenate(parts)
 
 
-def out_of_memory(device: Device, chunk: int, batch_size: int, error: Exception) -> GpuOutOfMemory:
-    return GpuOutOfMemory(f"GPU out of memory running the model on {chunk} image(s) at once on {device}: lower "
-                          f"--batch-size (now {batch_size}), raise run.gpu_mem_limit_mb, or free the GPU ({error})")
+def out_of_memory(device: Device, chunk: int, batch_size: int, error: Exception,
+                  fixed: bool = False) -> GpuOutOfMemory:
+    lower = "export the model with a smaller batch (its batch size is fixed)" if fixed else \
+        f"lower --batch-size (now {batch_size})"
+    return GpuOutOfMemory(f"GPU out of memory running the model on {chunk} image(s) at once on {device}: {lower}, "
+                          f"raise run.gpu_mem_limit_mb, or free the GPU ({error})")
 
 
 class Detector:
@@ -195,6 +202,12 @@ class Detector:
         self.device: Device = resolve_device(config.run.device)
         self.model_path = resolve_model_path(config)
         self.engine = Engine(self.model_path, device=self.device, **engine_args(config))
+        fixed_batch = self.engine.image_input.batch
+        if fixed_batch is not None and fixed_batch != config.run.batch_size:
+            log.info("%s takes batches of exactly %d images: run.batch_size %d -> %d", self.model_path.name,
+                     fixed_batch, config.run.batch_size, fixed_batch)
+            config = dataclasses.replace(config, run=dataclasses.replace(config.run, batch_size=fixed_batch))
+            self.config = config
         self.contract = detect_contract(self.engine.outputs, config.model.contract, self.model_path)
         self.preprocessor = Preprocessor(device=self.device,
                                          **preprocessor_args(config, self.engine.image_input, self.device))
@@ -202,6 +215,8 @@ class Detector:
         m = config.model
         self.ssd_heads = SsdHeads(strides=m.anchor_strides, sizes=m.anchor_sizes, variances=m.box_variances,
                                   pre_nms_top_k=config.postprocess.pre_nms_top_k, device=self.device.torch)
+        self.retinanet_heads = RetinaNetHeads.from_metadata(self.engine.metadata, self.model_path, self.device.torch) \
+            if self.contract == "retinanet_heads" else None
         self.model_batch = config.run.batch_size
         """Images per model run: run.batch_size, or less after a GPU out-of-memory."""
         self._warm_up()
@@ -222,6 +237,10 @@ class Detector:
                 return end_to_end_device(outputs, meta, score_threshold=p.score_threshold,
                                          max_detections=p.max_detections, num_landmarks=self.num_landmarks,
                                          num_images=num_images)
+            if self.contract == "retinanet_heads":
+                return self.retinanet_heads(outputs, meta, score_threshold=p.score_threshold,
+                                            iou_threshold=p.iou_threshold, max_detections=p.max_detections,
+                                            num_images=num_images)
             args = dict(input_hw=input_hw, score_threshold=p.score_threshold, iou_threshold=p.iou_threshold,
                         max_detections=p.max_detections, num_landmarks=self.num_landmarks, num_images=num_images)
             found, converged = self.ssd_heads(outputs, meta, **args)
@@ -240,6 +259,9 @@ class Detector:
         GPU out-of-memory and run.oom_retry allows it; otherwise raise."""
         if not (self.device.is_cuda and is_out_of_memory(error)):
             raise error
+        if self.engine.image_input.batch is not None:
+            raise out_of_memory(self.device, self.model_batch, self.config.run.batch_size, error,
+                                fixed=True) from error
         if not self.config.run.oom_retry or self.model_batch == 1:
             raise out_of_memory(self.device, self.model_batch, self.config.run.batch_size, error) from error
         self.model_batch = max(1, min(self.model_batch, images) // 2)

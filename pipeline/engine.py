@@ -56,6 +56,7 @@ class ImageInput:
     layout: str  # "NCHW" or "NHWC"
     dtype: str  # "float32" or "float16"
     size_hw: tuple[int, int] | None  # static model input size, or None when any size is accepted
+    batch: int | None = None  # static batch size, or None when any batch size is accepted
 
 
 def describe_io(specs: list[TensorSpec]) -> str:
@@ -80,7 +81,7 @@ def find_image_input(inputs: list[TensorSpec], model_path: Path) -> ImageInput:
                          "at position 1 (NCHW) or 3 (NHWC)")
     static = all(isinstance(d, int) for d in hw)
     return ImageInput(spec.name, layout, "float16" if spec.dtype == "tensor(float16)" else "float32",
-                      tuple(hw) if static else None)
+                      tuple(hw) if static else None, spec.shape[0] if isinstance(spec.shape[0], int) else None)
 
 
 def check_external_data(model_path: Path) -> None:
@@ -141,6 +142,8 @@ class Engine:
         self.session = self._session(overrides)
         self.inputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in self.session.get_inputs()]
         self.outputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in self.session.get_outputs()]
+        self.metadata: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
+        """The model's metadata_props (a retinanet_heads model keeps its anchor layout there)."""
         self.image_input = find_image_input(self.inputs, self.model_path)
         self._batch_dim = next(s.shape[0] for s in self.inputs if s.name == self.image_input.name)
         self.binding = self.session.io_binding()
@@ -218,6 +221,9 @@ class Engine:
         """
         value = ort.OrtValue.from_dlpack(images)
         batch_size = value.shape()[0]
+        if self.image_input.batch not in (None, batch_size):
+            raise ModelError(f"{self.model_path}: the model takes batches of exactly {self.image_input.batch} images, "
+                             f"not {batch_size}")
         self.binding.bind_ortvalue_input(self.image_input.name, value)
         buffers = self.static_buffers(batch_size)
         for spec in self.outputs:

@@ -30,26 +30,71 @@ def box_iou_batched(boxes: torch.Tensor) -> torch.Tensor:
 
 
 def batched_nms(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor, *,
-                iou_threshold: float, max_iterations: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+                iou_threshold: float, max_iterations: int = 32,
+                sync_every: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy per-class NMS for every image of a batch at once.
 
     boxes [B, K, 4] x1y1x2y2, scores [B, K], classes [B, K] int, valid [B, K] bool (candidates
     that passed the score threshold). Candidates must be sorted by score, descending, per image
     (top-k output is). Returns keep [B, K] bool and converged: bool tensor [] on the device.
+    On the CPU it stops as soon as it converges; on a GPU that check is a host sync, made only
+    every `sync_every` steps when asked (0: never, run max_iterations steps).
     """
     same_class = classes[:, :, None] == classes[:, None, :]
     k = boxes.shape[1]
     above = torch.ones(k, k, dtype=torch.bool, device=boxes.device).triu(diagonal=1)  # i ranks above j
     suppresses = (box_iou_batched(boxes.float()) > iou_threshold) & same_class & above
     suppresses &= valid[:, :, None] & valid[:, None, :]
-    s = suppresses.float()
+    # 0/1 entries and sums below 2048 are exact in float16; it halves what each step reads.
+    s = suppresses.to(torch.float16 if boxes.is_cuda else torch.float32)
     keep = valid.clone()
     converged = torch.zeros((), dtype=torch.bool, device=boxes.device)
-    for _ in range(max_iterations):
+    check_every = sync_every if boxes.is_cuda else 1
+    for step in range(1, max_iterations + 1):
         # keep_next[j] = valid[j] and no kept i suppresses j: one batched matrix-vector product.
-        keep_next = valid & ~(torch.bmm(keep.float()[:, None, :], s)[:, 0, :] > 0)
+        keep_next = valid & ~(torch.bmm(keep.to(s.dtype)[:, None, :], s)[:, 0, :] > 0)
         converged = (keep_next == keep).all()
         keep = keep_next
-        if not keep.is_cuda and converged:  # on the CPU the check is free: stop early
+        if check_every and step % check_every == 0 and converged:
             break
     return keep, converged
+
+
+def top_nms(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor, *,
+            iou_threshold: float, max_kept: int, prefix: int = 1024,
+            max_iterations: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best `max_kept` boxes per image that greedy per-class NMS keeps, looking at as few
+    candidates as the answer allows.
+
+    Greedy NMS decides a box from higher-ranked boxes only, so what it keeps among the first m
+    candidates does not depend on the others. An image that keeps `max_kept` of its first
+    `prefix` candidates, or has no valid candidate after them, is settled by those alone: IoU over
+    [B, prefix, prefix] instead of [B, K, K] (K = 5,000 for RetinaNet: 25x less work).
+
+    Arguments as batched_nms (sorted by score, valid a prefix of each row). Returns keep [B, K]
+    bool (at most max_kept per image) and complete: bool tensor [] on the device, False when some
+    image needs the candidates after the prefix (or NMS did not converge); then call exact_nms.
+    """
+    k = boxes.shape[1]
+    m = min(prefix, k)
+    head, converged = batched_nms(boxes[:, :m], scores[:, :m], classes[:, :m], valid[:, :m],
+                                  iou_threshold=iou_threshold, max_iterations=max_iterations)
+    head &= torch.cumsum(head, dim=1) <= max_kept  # best first, so this caps per image
+    settled = (head.sum(dim=1) >= max_kept) | ~valid[:, m:].any(dim=1)
+    keep = torch.cat([head, torch.zeros_like(valid[:, m:])], dim=1)
+    return keep, converged & settled.all()
+
+
+def exact_nms(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor, *,
+              iou_threshold: float, max_kept: int, check_every: int = 8) -> torch.Tensor:
+    """top_nms's slow path, exact whatever the data: image by image over all valid candidates,
+    iterating to the fixed point with a host check every `check_every` steps (it syncs; top_nms
+    does not)."""
+    keep = torch.zeros_like(valid)
+    for b, count in enumerate(valid.sum(dim=1).tolist()):
+        if count:
+            found, _ = batched_nms(boxes[b:b + 1, :count], scores[b:b + 1, :count], classes[b:b + 1, :count],
+                                   valid[b:b + 1, :count], iou_threshold=iou_threshold, max_iterations=count,
+                                   sync_every=check_every)
+            keep[b, :count] = found[0] & (torch.cumsum(found[0], dim=0) <= max_kept)
+    return keep

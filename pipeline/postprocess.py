@@ -12,6 +12,7 @@ device; the one device-to-host copy is of the final, thresholded detections, onc
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,12 +20,13 @@ import numpy as np
 import torch
 
 from .engine import ModelError, TensorSpec, describe_io
-from .nms import batched_nms
+from .nms import batched_nms, exact_nms, top_nms
 
 # name -> rank. Ranks are what contract detection checks; names are how outputs are found.
 CONTRACTS = {
     "end_to_end": ({"boxes": 2, "scores": 1, "batch_index": 1}, {"labels": 1, "landmarks": 2}),
     "ssd_heads": ({"loc": 3, "conf": 3}, {"landmarks": 3}),
+    "retinanet_heads": ({"cls_logits": 3, "bbox_regression": 3}, {}),
 }
 
 
@@ -224,3 +226,96 @@ class SsdHeads:
                                                                            meta).reshape(-1, 4),
                                  scores=scores[image, slot], labels=torch.zeros_like(image), landmarks=landmarks)
         return found, converged
+
+
+RETINANET_METADATA = "gpudet.retinanet"
+
+
+class RetinaNetHeads:
+    """Postprocess for torchvision-style RetinaNet heads, batched over the images on the device.
+
+        cls_logits       [B, A, K]  per anchor and class, before the sigmoid
+        bbox_regression  [B, A, 4]  BoxCoder deltas (dx, dy, dw, dh) against the anchors
+
+    The same steps as torchvision's `RetinaNet.postprocess_detections`, with no per-image loop:
+    per level, the top `topk_candidates` logits of each image (sigmoid only on the winners) ->
+    score > threshold -> decode (dw, dh clamped at log(1000/16)) -> clip to the input -> greedy
+    per-class NMS (nms.top_nms: exact, no host sync unless the first 1,024 candidates of some image
+    do not settle it) -> best `max_detections` per image.
+
+    The anchor layout comes from the model's metadata (`gpudet.retinanet`, written by
+    scripts/export_retinanet.py); the anchors are built once, on the device.
+    """
+
+    def __init__(self, *, layout: dict, device: torch.device, nms_prefix: int = 1024):
+        self.device = device
+        self.topk = int(layout["topk_candidates"])
+        self.box_weights = [float(w) for w in layout["box_weights"]]
+        self.box_clip = float(layout["box_clip"])
+        self.input_hw = tuple(layout["input_hw"])
+        self.level_sizes = [g[0] * g[1] * len(c) for g, c in zip(layout["grids"], layout["cell_anchors"])]
+        self.nms_prefix = nms_prefix
+        parts = []
+        for (rows, cols), (stride_h, stride_w), cell in zip(layout["grids"], layout["strides"],
+                                                             layout["cell_anchors"]):
+            ys, xs = torch.meshgrid(torch.arange(rows, device=device) * stride_h,
+                                    torch.arange(cols, device=device) * stride_w, indexing="ij")
+            shifts = torch.stack([xs.reshape(-1), ys.reshape(-1), xs.reshape(-1), ys.reshape(-1)], dim=1).float()
+            cell = torch.tensor(cell, dtype=torch.float32, device=device)
+            parts.append((shifts[:, None, :] + cell[None]).reshape(-1, 4))
+        self.anchors = torch.cat(parts)  # [A, 4] x1y1x2y2, torchvision's AnchorGenerator order
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, str], model_path: Path, device: torch.device) -> RetinaNetHeads:
+        if RETINANET_METADATA not in metadata:
+            raise ModelError(f"{model_path}: a retinanet_heads model needs its anchor layout in the metadata key "
+                             f"{RETINANET_METADATA!r}; export it with scripts/export_retinanet.py")
+        return cls(layout=json.loads(metadata[RETINANET_METADATA]), device=device)
+
+    def candidates(self, logits: torch.Tensor, regression: torch.Tensor):
+        """Per image, the top-k of every level, best first: scores [B, C], labels [B, C],
+        boxes [B, C, 4] x1y1x2y2 clipped to the input (C = sum over levels of min(topk, A_l*K))."""
+        batch, anchors, num_classes = logits.shape
+        if anchors != len(self.anchors):
+            raise ModelError(f"cls_logits has {anchors} anchors; the metadata's layout makes {len(self.anchors)}")
+        scores, index, start = [], [], 0
+        for n in self.level_sizes:
+            top, at = logits[:, start:start + n].reshape(batch, n * num_classes).topk(
+                min(self.topk, n * num_classes), dim=1)
+            scores.append(top)
+            index.append(at + start * num_classes)
+            start += n
+        scores, order = torch.cat(scores, dim=1).float().sigmoid().sort(dim=1, descending=True)
+        index = torch.cat(index, dim=1).gather(1, order)
+        anchor, labels = index // num_classes, index % num_classes
+        deltas = regression.gather(1, anchor[..., None].expand(-1, -1, 4)).float()
+        boxes = self.decode(deltas, self.anchors[anchor])
+        height, width = self.input_hw
+        limits = torch.tensor([width, height, width, height], dtype=boxes.dtype, device=boxes.device)
+        return scores, labels, torch.minimum(boxes.clamp(min=0), limits)
+
+    def decode(self, deltas: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """torchvision's BoxCoder.decode_single on [..., 4]."""
+        wx, wy, ww, wh = self.box_weights
+        size = anchors[..., 2:] - anchors[..., :2]
+        center = anchors[..., :2] + 0.5 * size
+        d_center = deltas[..., :2] / torch.tensor([wx, wy], device=deltas.device)
+        d_size = (deltas[..., 2:] / torch.tensor([ww, wh], device=deltas.device)).clamp(max=self.box_clip)
+        new_center = d_center * size + center
+        half = 0.5 * torch.exp(d_size) * size
+        return torch.cat([new_center - half, new_center + half], dim=-1)
+
+    def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, score_threshold: float,
+                 iou_threshold: float, max_detections: int, num_images: int | None = None) -> DeviceDetections:
+        scores, labels, boxes = self.candidates(outputs["cls_logits"], outputs["bbox_regression"])
+        valid = scores > score_threshold  # torchvision keeps score > threshold
+        if num_images is not None:
+            valid &= torch.arange(len(valid), device=valid.device)[:, None] < num_images
+        args = (boxes, scores, labels, valid)
+        keep, complete = top_nms(*args, iou_threshold=iou_threshold, max_kept=max_detections, prefix=self.nms_prefix)
+        if not complete:  # one host check; the nonzero below syncs anyway
+            keep = exact_nms(*args, iou_threshold=iou_threshold, max_kept=max_detections)
+        image, slot = keep.nonzero(as_tuple=True)  # rows by image, then score
+        return DeviceDetections(batch_index=image, boxes_xyxy=to_original(boxes[image, slot].reshape(-1, 2, 2), image,
+                                                                          meta).reshape(-1, 4),
+                                scores=scores[image, slot], labels=labels[image, slot], landmarks=None)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.nms import batched_nms, box_iou_batched
+from pipeline.nms import batched_nms, box_iou_batched, exact_nms, top_nms
 
 from conftest import cpu_and_cuda
 
@@ -74,3 +74,36 @@ def test_box_iou():
     boxes = torch.tensor([[[0, 0, 10, 10], [5, 0, 15, 10], [20, 20, 30, 30]]], dtype=torch.float32)
     iou = box_iou_batched(boxes)[0]
     assert torch.allclose(iou, torch.tensor([[1, 1 / 3, 0], [1 / 3, 1, 0], [0, 0, 1]]), atol=1e-6)
+
+
+@cpu_and_cuda()
+@pytest.mark.parametrize("prefix", [16, 64, 1024])
+def test_top_nms_keeps_the_best_of_greedy_and_says_when_the_prefix_was_not_enough(device, prefix):
+    """top_nms looks at the first `prefix` candidates only; where that cannot settle an image it
+    says so (complete False), and exact_nms gives the full answer. Both match the textbook."""
+    rng = np.random.default_rng(prefix)
+    batch, k, max_kept = 3, 300, 40
+    boxes = np.stack([random_boxes(rng, k) for _ in range(batch)])
+    scores = -np.sort(-rng.uniform(0, 1, (batch, k)).astype(np.float32), axis=1)
+    classes = rng.integers(0, 4, (batch, k))
+    valid = scores > 0.05
+    valid[2] = False  # an image with no candidate
+    t = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
+    args = (t(boxes), t(scores), t(classes), t(valid))
+    keep, complete = top_nms(*args, iou_threshold=0.4, max_kept=max_kept, prefix=prefix)
+    exact = exact_nms(*args, iou_threshold=0.4, max_kept=max_kept)
+    for b in range(batch):
+        expected = np.zeros(k, bool)
+        expected[valid[b]] = greedy_nms(boxes[b][valid[b]], scores[b][valid[b]], classes[b][valid[b]], 0.4)
+        expected &= np.cumsum(expected) <= max_kept
+        assert exact[b].cpu().numpy().tolist() == expected.tolist()
+        if bool(complete):
+            assert keep[b].cpu().numpy().tolist() == expected.tolist()
+    settled_by_prefix = all(expected_count_in(exact[b], prefix) >= max_kept or not valid[b, prefix:].any()
+                            for b in range(batch))
+    assert bool(complete) == settled_by_prefix
+    assert bool(complete) == (prefix >= 64)  # 16 candidates cannot hold 40 kept boxes; 64 do here
+
+
+def expected_count_in(keep: torch.Tensor, prefix: int) -> int:
+    return int(keep[:prefix].sum())

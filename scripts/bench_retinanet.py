@@ -1,0 +1,305 @@
+"""RetinaNet R50-FPN benchmark, side by side in one run (issues 3 and 4): what each way of running
+the same network costs on this machine.
+
+    ort <variant>      ORT model-only with IOBinding, input and outputs on the device
+    torch eager        the same heads in torch, fp16 channels_last (model-only)
+    postprocess        gpudet's heads postprocess (RetinaNetHeads) per batch, at score 0.05 and 0;
+                       the end-to-end model's in-graph postprocess as (e2e time - heads time)
+    torchvision post   torchvision's own postprocess_detections (a Python loop per image)
+    pytorch pipeline   DataLoader with PIL decode/letterbox in worker processes, fp16 eager
+                       torchvision RetinaNet with its own postprocess, detections to the host
+    gpudet             `gpudet detect` end to end (Detector.stream + JSONL), per contract
+    naive              PIL + numpy + `session.run` with numpy in and out, one image at a time
+
+Weights are random (torchvision's initialisation, seed 0): speed does not depend on them, but
+with them no candidate scores above 0.05, so postprocess is also measured at threshold 0, where
+every level sends its top 1,000 to NMS (the worst case). Needs torchvision (exports the models).
+
+    python scripts/bench_retinanet.py IMAGE_LIST --out DIR [--batch-size 16] [--size 800 800]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import export_retinanet as exporter  # noqa: E402
+
+from pipeline.bench import machine  # noqa: E402
+from pipeline.config import load_config  # noqa: E402
+from pipeline.device import resolve_device  # noqa: E402
+from pipeline.engine import Engine  # noqa: E402
+from pipeline.postprocess import RetinaNetHeads, to_device_meta  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "retinanet_r50_coco.yaml"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to try this script out
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, *, iterations: int, warmup: int = 3) -> list[float]:
+    """Seconds per call, each call synchronized (ORT syncs itself; torch work is synced here)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def summary(times: list[float], batch: int) -> dict:
+    return {"ms_per_batch": round(1e3 * statistics.median(times), 3),
+            "images_per_s": round(batch / statistics.median(times), 1),
+            "ms_p99": round(1e3 * sorted(times)[int(0.99 * (len(times) - 1))], 3)}
+
+
+def ort_engine(path: Path, *, nhwc: bool, cuda_graph: bool = False, score_threshold: float = 0.05) -> Engine:
+    options = {"prefer_nhwc": "1"} if nhwc else {}
+    if cuda_graph:
+        options["enable_cuda_graph"] = "1"
+    return Engine(path, device=resolve_device(DEVICE), cuda_options=options,
+                  scalars={"score_threshold": score_threshold, "iou_threshold": 0.5, "max_detections": 300})
+
+
+def models(out: Path, batch: int, size_hw: tuple[int, int], log) -> tuple[torch.nn.Module, dict[str, Path]]:
+    model = exporter.build_model("retinanet_resnet50_fpn", None, 91, 0)
+    files = {}
+    for name, contract, fp16, dynamic in [("heads_fp16", "retinanet_heads", True, False),
+                                          ("heads_fp32", "retinanet_heads", False, False),
+                                          ("e2e_fp16", "end_to_end", True, False),
+                                          ("e2e_fp32_dynamic", "end_to_end", False, True)]:
+            path = out / f"retinanet_{name}.onnx"
+            if not path.exists():
+                start = time.perf_counter()
+                exporter.export(model, contract, path, size_hw=size_hw, batch_size=batch, dynamic_batch=dynamic,
+                                fp16=fp16)
+                log(f"exported {path.name} in {time.perf_counter() - start:.1f} s")
+            files[name] = path
+    return model, files
+
+
+def model_only(files: dict[str, Path], model: torch.nn.Module, batch: int, size_hw, iterations: int, log) -> dict:
+    results = {}
+    x16 = torch.randn(batch, 3, *size_hw, device=DEVICE).half()
+    variants = [("ort heads fp32 NCHW", "heads_fp32", False, False), ("ort heads fp16 NCHW", "heads_fp16", False, False),
+                ("ort heads fp16 NHWC", "heads_fp16", True, False),
+                ("ort heads fp16 NHWC cuda graph", "heads_fp16", True, True),
+                ("ort e2e fp16 NHWC score>0.05", "e2e_fp16", True, False)]
+    for label, name, nhwc, graph in variants:
+        engine = None
+        try:
+            engine = ort_engine(files[name], nhwc=nhwc, cuda_graph=graph)
+            x = x16 if engine.image_input.dtype == "float16" else x16.float()
+            results[label] = summary(timed(lambda: engine.run(x), iterations=iterations), batch)
+        except Exception as e:  # a variant ORT refuses is reported, not fatal
+            results[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        log(f"{label}: {results[label]}")
+        del engine
+    engine = ort_engine(files["e2e_fp16"], nhwc=True, score_threshold=0.0)
+    results["ort e2e fp16 NHWC score>0"] = summary(timed(lambda: engine.run(x16), iterations=iterations), batch)
+    log(f"ort e2e score>0: {results['ort e2e fp16 NHWC score>0']}")
+    del engine
+
+    heads = exporter.Heads(model).to(DEVICE).half().eval().to(memory_format=torch.channels_last)
+    xcl = x16.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        results["torch eager fp16 channels_last"] = summary(timed(lambda: heads(xcl), iterations=iterations), batch)
+        log(f"torch eager: {results['torch eager fp16 channels_last']}")
+        if DEVICE != "cuda":
+            return results
+        graph, static_in = torch.cuda.CUDAGraph(), xcl.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                heads(static_in)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            heads(static_in)
+        results["torch eager fp16 channels_last cuda graph"] = summary(
+            timed(graph.replay, iterations=iterations), batch)
+    return results
+
+
+def postprocess(files: dict[str, Path], model: torch.nn.Module, batch: int, size_hw, iterations: int, log) -> dict:
+    engine = ort_engine(files["heads_fp16"], nhwc=True)
+    x = torch.randn(batch, 3, *size_hw, device=DEVICE).half()
+    outputs = {k: v.clone() for k, v in engine.run(x).items()}
+    post = RetinaNetHeads.from_metadata(engine.metadata, files["heads_fp16"], torch.device(DEVICE))
+    ones, zeros = np.ones((batch, 2), np.float32), np.zeros((batch, 2), np.float32)
+    meta = to_device_meta(ones, zeros, np.array([size_hw] * batch), torch.device(DEVICE))
+    results = {}
+    for threshold in (0.05, 0.0):
+        found = post(outputs, meta, score_threshold=threshold, iou_threshold=0.5, max_detections=300)
+        scores, _, _ = post.candidates(outputs["cls_logits"], outputs["bbox_regression"])
+        times = timed(lambda: post(outputs, meta, score_threshold=threshold, iou_threshold=0.5, max_detections=300),
+                      iterations=iterations)
+        results[f"gpudet heads postprocess score>{threshold}"] = {
+            **summary(times, batch), "candidates_per_image": round(float((scores > threshold).sum()) / batch),
+            "detections_per_image": round(len(found.scores) / batch, 1)}
+        log(f"postprocess {threshold}: {results[f'gpudet heads postprocess score>{threshold}']}")
+    # torchvision's own postprocess (per image, per level, in Python) on the same outputs, score > 0.
+    split_sizes = post.level_sizes
+    cl, br = outputs["cls_logits"].float(), outputs["bbox_regression"].float()
+    head = {"cls_logits": list(cl.split(split_sizes, 1)), "bbox_regression": list(br.split(split_sizes, 1))}
+    anchors = [list(post.anchors.split(split_sizes))] * batch
+    model = model.to(DEVICE).eval()
+    model.score_thresh = 0.0
+    with torch.no_grad():
+        times = timed(lambda: model.postprocess_detections(head, anchors, [tuple(size_hw)] * batch),
+                      iterations=max(3, iterations // 4), warmup=1)
+    results["torchvision postprocess_detections score>0"] = summary(times, batch)
+    log(f"torchvision postprocess: {results['torchvision postprocess_detections score>0']}")
+    model.cpu()
+    return results
+
+
+def pytorch_pipeline(paths: list[str], model: torch.nn.Module, batch: int, size_hw, workers: int, log) -> dict:
+    """The typical user pipeline: DataLoader + PIL workers -> fp16 eager torchvision RetinaNet."""
+    from PIL import Image
+
+    class Images(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(paths)
+
+        def __getitem__(self, i):
+            image = Image.open(paths[i]).convert("RGB")
+            scale = min(size_hw[0] / image.height, size_hw[1] / image.width)
+            image = image.resize((round(image.width * scale), round(image.height * scale)), Image.Resampling.BILINEAR)
+            return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
+
+    model = model.to(DEVICE).half().eval()
+    model.score_thresh = 0.05
+    # Images arrive letterboxed to size_hw's longer side; keep torchvision's transform from
+    # resizing them again, so both pipelines run the model on the same pixels.
+    model.transform.min_size, model.transform.max_size = (max(size_hw),), max(size_hw)
+    loader = torch.utils.data.DataLoader(Images(), batch_size=batch, num_workers=workers, collate_fn=list,
+                                         pin_memory=True, persistent_workers=False)
+
+    def run(limit: int | None = None) -> int:
+        done = 0
+        with torch.no_grad():
+            for images in loader:
+                images = [im.to(DEVICE, non_blocking=True).half() / 255 for im in images]
+                detections = model(images)
+                _ = [{k: v.cpu() for k, v in d.items()} for d in detections]
+                done += len(images)
+                if limit and done >= limit:
+                    break
+        return done
+
+    run(limit=batch * 2)  # warm-up (cuDNN, workers)
+    start = time.perf_counter()
+    done = run()
+    rate = done / (time.perf_counter() - start)
+    model.float().cpu()
+    log(f"pytorch pipeline ({workers} workers): {rate:.1f} img/s")
+    return {"pytorch pipeline (DataLoader + eager fp16 + torchvision postprocess)": {
+        "images_per_s": round(rate, 1), "workers": workers}}
+
+
+def gpudet_runs(list_file: str, files: dict[str, Path], batch: int, log) -> dict:
+    from pipeline.bench import gpudet_images_per_s, naive_images_per_s
+    from pipeline.detector import Detector
+    from pipeline.source import list_images
+
+    refs = list_images(list_file)
+    results = {}
+    for name in ("heads_fp16", "e2e_fp16"):
+        config = load_config(CONFIG, [f"model.path={files[name]}", f"run.device={DEVICE}", f"run.batch_size={batch}"])
+        detector = Detector(config)
+        rate = gpudet_images_per_s(refs, detector)
+        results[f"gpudet {name}"] = {"images_per_s": round(rate, 1), "contract": detector.contract}
+        log(f"gpudet {name}: {rate:.1f} img/s")
+        del detector
+    config = load_config(CONFIG, [f"model.path={files['e2e_fp32_dynamic']}", f"run.device={DEVICE}", "run.batch_size=1",
+                                  "run.prefer_nhwc=false"])
+    detector = Detector(config)
+    rate = naive_images_per_s(refs[:64], detector)
+    results["naive (PIL + numpy + session.run, fp32)"] = {"images_per_s": round(rate, 2)}
+    log(f"naive: {rate:.2f} img/s")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("images", help="file list (scripts/make_image_set.py writes one)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--size", type=int, nargs=2, default=[800, 800])
+    parser.add_argument("--iterations", type=int, default=50)
+    parser.add_argument("--limit", type=int, default=2000, help="images for the end-to-end runs")
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    parser.add_argument("--only", nargs="*", default=["model", "postprocess", "pytorch", "gpudet"])
+    a = parser.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    report_path = a.out / "bench_retinanet.json"
+
+    def log(text: str) -> None:
+        print(text, flush=True)
+
+    size_hw = tuple(a.size)
+    model, files = models(a.out, a.batch_size, size_hw, log)
+    root = Path(a.images).parent
+    paths = [str(root / line.strip()) if not Path(line.strip()).is_absolute() else line.strip()
+             for line in Path(a.images).read_text().splitlines() if line.strip()][:a.limit]
+    limited = a.out / "images.txt"
+    limited.write_text("\n".join(paths) + "\n")
+    report = {"batch_size": a.batch_size, "size_hw": list(size_hw), "images": len(paths), "results": {},
+              "machine": machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(sys.argv)}
+    sections = {"model": lambda: model_only(files, model, a.batch_size, size_hw, a.iterations, log),
+                "postprocess": lambda: postprocess(files, model, a.batch_size, size_hw, a.iterations, log),
+                "pytorch": lambda: pytorch_pipeline(paths, model, a.batch_size, size_hw, a.workers, log),
+                "gpudet": lambda: gpudet_runs(str(limited), files, a.batch_size, log)}
+    for name in a.only:
+        report["results"].update(sections[name]())
+        report_path.write_text(json.dumps(report, indent=2) + "\n")
+    r = report["results"]
+
+    def rate(key: str) -> float | None:
+        return r.get(key, {}).get("images_per_s")
+
+    ratios = {}
+    pairs = {"ort heads fp16 NHWC / torch eager": ("ort heads fp16 NHWC", "torch eager fp16 channels_last"),
+             "gpudet heads / ort heads fp16 NHWC": ("gpudet heads_fp16", "ort heads fp16 NHWC"),
+             "gpudet heads / pytorch pipeline": ("gpudet heads_fp16",
+                                                 "pytorch pipeline (DataLoader + eager fp16 + torchvision postprocess)"),
+             "gpudet heads / naive": ("gpudet heads_fp16", "naive (PIL + numpy + session.run, fp32)"),
+             "gpudet e2e / ort e2e score>0.05": ("gpudet e2e_fp16", "ort e2e fp16 NHWC score>0.05")}
+    for name, (top, bottom) in pairs.items():
+        if rate(top) and rate(bottom):
+            ratios[name] = round(rate(top) / rate(bottom), 3)
+    heads_ms = r.get("ort heads fp16 NHWC", {}).get("ms_per_batch")
+    for key in ("gpudet heads postprocess score>0.05", "gpudet heads postprocess score>0.0"):
+        if heads_ms and key in r:
+            ratios[f"{key} / model"] = round(r[key]["ms_per_batch"] / heads_ms, 4)
+    for threshold in ("0.05", "0"):
+        e2e = r.get(f"ort e2e fp16 NHWC score>{threshold}", {}).get("ms_per_batch")
+        if heads_ms and e2e:
+            ratios[f"e2e in-graph postprocess score>{threshold} / model"] = round((e2e - heads_ms) / heads_ms, 4)
+    report["ratios"] = ratios
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({"results": r, "ratios": ratios}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""Export torchvision's RetinaNet (ResNet50-FPN, v1 or v2) to ONNX in gpudet's two contracts.
+
+    end_to_end       images            float32|float16 [B, 3, H, W]  RGB, ImageNet mean/std
+                     score_threshold   float32 [1]
+                     iou_threshold     float32 [1]
+                     max_detections    int64   [1]   per image
+                     -> boxes [N, 4] float32 x1y1x2y2 input pixels, scores [N], labels [N] int64,
+                        batch_index [N] int64     (N: all detections of the batch)
+    retinanet_heads  images            float32|float16 [B, 3, H, W]
+                     -> cls_logits [B, A, K], bbox_regression [B, A, 4]   (static shapes)
+                     anchors, box coding and top-k in the model's metadata (`gpudet.retinanet`)
+
+B is fixed at export (`--batch-size`; static shapes let ORT fold all shape arithmetic, so no
+Memcpy nodes on the CUDA EP and CUDA graphs become possible), or dynamic with `--dynamic-batch`.
+H x W is fixed (`--size`, default 800 800: the config letterboxes every image into it).
+
+The end-to-end graph's postprocess is torchvision's (`RetinaNet.postprocess_detections`), batched
+over the images instead of a Python loop per image: per level, top-k of the raw logits (sigmoid is
+monotonic, so it runs on the k winners only), decode with the box coder's clamp, clip to the
+input, then one `NonMaxSuppression` over [B, 1, 5 x top-k] per batch with the per-class
+coordinate-offset trick (no `If`, no `Loop`, no per-class scores tensor). The score threshold is
+the NMS op's, so candidates below it never reach the IoU stage.
+
+Weights: `--checkpoint FILE` (a state_dict, or a dict holding one under "model" or
+"state_dict", as torchvision's reference training scripts save), else random initialisation
+(benchmarks only: its scores are meaningless). Nothing is downloaded: torchvision's weight URLs
+cannot be reached offline, so fetch the checkpoint once where you can and pass the file.
+
+Needs torch and torchvision (`pip install torch==2.14.1 torchvision==0.29.1`, or any matching
+pair); gpudet itself never imports torchvision.
+
+    python scripts/export_retinanet.py --contract end_to_end --out models/retinanet_r50_e2e.onnx
+    python scripts/export_retinanet.py --contract retinanet_heads --fp16 --out models/retinanet_r50_heads_fp16.onnx
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+try:
+    import torchvision
+    from torchvision.models.detection import retinanet_resnet50_fpn, retinanet_resnet50_fpn_v2
+    from torchvision.models.detection.image_list import ImageList
+except ImportError as e:  # the exporter's one extra need; the pipeline never imports torchvision
+    sys.exit(f"export_retinanet.py needs torchvision ({e}). Install a pair that matches your torch, for example\n"
+             "    pip install torch==2.14.1 torchvision==0.29.1")
+
+ARCHITECTURES = {"retinanet_resnet50_fpn": retinanet_resnet50_fpn, "retinanet_resnet50_fpn_v2": retinanet_resnet50_fpn_v2}
+METADATA_KEY = "gpudet.retinanet"
+
+
+def build_model(arch: str, checkpoint: Path | None, num_classes: int, seed: int) -> nn.Module:
+    """torchvision's RetinaNet in eval mode, with the checkpoint's weights or seeded random ones."""
+    torch.manual_seed(seed)
+    model = ARCHITECTURES[arch](weights=None, weights_backbone=None, num_classes=num_classes)
+    if checkpoint is not None:
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        for key in ("model", "state_dict"):
+            if isinstance(state, dict) and isinstance(state.get(key), dict):
+                state = state[key]
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            sys.exit(f"{checkpoint}: does not fit {arch} with {num_classes} classes: {e}")
+    return model.eval()
+
+
+class Heads(nn.Module):
+    """Backbone + FPN + heads: images [B, 3, H, W] -> cls_logits [B, A, K], bbox_regression [B, A, 4]."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.backbone, self.head = model.backbone, model.head
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.head(list(self.backbone(images).values()))
+        return out["cls_logits"], out["bbox_regression"]
+
+
+def anchor_layout(model: nn.Module, size_hw: tuple[int, int]) -> dict:
+    """What gpudet needs to rebuild torchvision's anchors on the device: per level the feature grid,
+    the integer stride torchvision uses (input size // grid, so 61 and 114 px for P6/P7 at 800),
+    and the rounded cell anchors; plus box coding and top-k. Anchors are [A, 4] x1y1x2y2, level by
+    level, row-major over the grid, cell anchors innermost (torchvision's order)."""
+    with torch.no_grad():
+        features = list(model.backbone(torch.zeros(1, 3, *size_hw)).values())
+    grids = [list(f.shape[-2:]) for f in features]
+    model.anchor_generator.set_cell_anchors(torch.float32, torch.device("cpu"))
+    return {
+        "input_hw": list(size_hw),
+        "grids": grids,
+        "strides": [[size_hw[0] // g[0], size_hw[1] // g[1]] for g in grids],
+        "cell_anchors": [a.tolist() for a in model.anchor_generator.cell_anchors],
+        "box_weights": list(model.box_coder.weights),
+        "box_clip": model.box_coder.bbox_xform_clip,
+        "topk_candidates": model.topk_candidates,
+        "num_classes": model.head.classification_head.num_classes,
+    }
+
+
+def reference_anchors(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """torchvision's own anchors for this input size: [A, 4] x1y1x2y2."""
+    features = list(model.backbone(images[:1]).values())
+    return model.anchor_generator(ImageList(images[:1], [tuple(images.shape[-2:])]), features)[0]
+
+
+def decode(regression: torch.Tensor, anchors: torch.Tensor, weights: list[float], clip: float) -> torch.Tensor:
+    """torchvision's BoxCoder.decode_single, on [..., 4] (any leading dims)."""
+    widths, heights = anchors[..., 2] - anchors[..., 0], anchors[..., 3] - anchors[..., 1]
+    ctr_x, ctr_y = anchors[..., 0] + 0.5 * widths, anchors[..., 1] + 0.5 * heights
+    wx, wy, ww, wh = weights
+    dx, dy = regression[..., 0] / wx, regression[..., 1] / wy
+    dw, dh = (regression[..., 2] / ww).clamp(max=clip), (regression[..., 3] / wh).clamp(max=clip)
+    pred_ctr_x, pred_ctr_y = dx * widths + ctr_x, dy * heights + ctr_y
+    half_w, half_h = 0.5 * torch.exp(dw) * widths, 0.5 * torch.exp(dh) * heights
+    return torch.stack([pred_ctr_x - half_w, pred_ctr_y - half_h, pred_ctr_x + half_w, pred_ctr_y + half_h], dim=-1)
+
+
+class OnnxNms(torch.autograd.Function):
+    """ONNX NonMaxSuppression over boxes [B, N, 4], scores [B, 1, N] -> selected [M, 3]
+    (batch, class, box), best first per image. Eager forward (torchvision.ops.nms) for testing."""
+
+    @staticmethod
+    def forward(ctx, boxes, scores, max_per_image, iou_threshold, score_threshold):
+        rows = []
+        for b in range(boxes.shape[0]):
+            candidates = torch.nonzero(scores[b, 0] > score_threshold)[:, 0]
+            kept = candidates[torchvision.ops.nms(boxes[b, candidates], scores[b, 0, candidates],
+                                                  float(iou_threshold))][: int(max_per_image)]
+            rows.append(torch.stack([torch.full_like(kept, b), torch.zeros_like(kept), kept], dim=1))
+        return torch.cat(rows)
+
+    @staticmethod
+    def symbolic(g, boxes, scores, max_per_image, iou_threshold, score_threshold):
+        return g.op("NonMaxSuppression", boxes, scores, max_per_image, iou_threshold, score_threshold)
+
+
+class EndToEnd(nn.Module):
+    """Heads + torchvision's postprocess, batched over images, in one graph (module docstring)."""
+
+    def __init__(self, model: nn.Module, size_hw: tuple[int, int]):
+        super().__init__()
+        self.heads = Heads(model)
+        layout = anchor_layout(model, size_hw)
+        self.register_buffer("anchors", anchors_from_layout(layout), persistent=False)
+        self.level_sizes = [g[0] * g[1] * len(c) for g, c in zip(layout["grids"], layout["cell_anchors"])]
+        self.topk, self.weights, self.clip = layout["topk_candidates"], layout["box_weights"], layout["box_clip"]
+        self.size_hw = size_hw
+
+    def forward(self, images, score_threshold, iou_threshold, max_detections):
+        logits, regression = self.heads(images)
+        logits, regression = logits.float(), regression.float()
+        batch, _, num_classes = logits.shape
+        boxes, scores, labels, start = [], [], [], 0
+        for n in self.level_sizes:
+            top, index = logits[:, start:start + n].reshape(batch, n * num_classes).topk(
+                min(self.topk, n * num_classes), dim=1)
+            anchor = torch.div(index, num_classes, rounding_mode="floor")
+            level_regression = regression[:, start:start + n].gather(1, anchor[..., None].expand(-1, -1, 4))
+            boxes.append(decode(level_regression, self.anchors[start:start + n][anchor], self.weights, self.clip))
+            scores.append(top.sigmoid())
+            labels.append(index % num_classes)
+            start += n
+        height, width = self.size_hw
+        boxes = torch.cat(boxes, 1)
+        boxes = torch.stack([boxes[..., 0].clamp(0, width), boxes[..., 1].clamp(0, height),
+                             boxes[..., 2].clamp(0, width), boxes[..., 3].clamp(0, height)], dim=-1)
+        scores, labels = torch.cat(scores, 1), torch.cat(labels, 1)
+        # Per-class NMS as one NMS: shift each class's boxes to its own region (torchvision's trick).
+        shifted = boxes + (labels * (max(height, width) + 1)).to(boxes.dtype)[..., None]
+        selected = OnnxNms.apply(shifted, scores[:, None, :], max_detections, iou_threshold, score_threshold)
+        image, row = selected[:, 0], selected[:, 2]
+        flat = image * boxes.shape[1] + row
+        return (boxes.reshape(-1, 4)[flat], scores.reshape(-1)[flat], labels.reshape(-1)[flat], image)
+
+
+def anchors_from_layout(layout: dict) -> torch.Tensor:
+    """[A, 4] float32 x1y1x2y2, as torchvision's AnchorGenerator.grid_anchors makes them."""
+    parts = []
+    for (rows, cols), (stride_h, stride_w), cell in zip(layout["grids"], layout["strides"], layout["cell_anchors"]):
+        ys, xs = torch.meshgrid(torch.arange(rows) * stride_h, torch.arange(cols) * stride_w, indexing="ij")
+        shifts = torch.stack([xs.reshape(-1), ys.reshape(-1), xs.reshape(-1), ys.reshape(-1)], dim=1).float()
+        parts.append((shifts[:, None, :] + torch.tensor(cell, dtype=torch.float32)[None]).reshape(-1, 4))
+    return torch.cat(parts)
+
+
+def torchvision_detections(model: nn.Module, images: torch.Tensor, *, score_threshold: float, iou_threshold: float,
+                           max_detections: int) -> list[dict[str, torch.Tensor]]:
+    """torchvision's eager detections on already-normalized images [B, 3, H, W] (its transform,
+    which resizes and normalizes, is skipped so both sides see the same tensors)."""
+    model.score_thresh, model.nms_thresh, model.detections_per_img = score_threshold, iou_threshold, max_detections
+    with torch.no_grad():
+        features = list(model.backbone(images).values())
+        head = model.head(features)
+        image_list = ImageList(images, [tuple(images.shape[-2:])] * len(images))
+        anchors = model.anchor_generator(image_list, features)
+        per_level = [f.shape[-2] * f.shape[-1] * model.anchor_generator.num_anchors_per_location()[0]
+                     for f in features]
+        split = {k: list(v.split(per_level, dim=1)) for k, v in head.items()}
+        return model.postprocess_detections(split, [list(a.split(per_level)) for a in anchors],
+                                            image_list.image_sizes)
+
+
+def export(model: nn.Module, contract: str, out: Path, *, size_hw: tuple[int, int], batch_size: int,
+           dynamic_batch: bool, fp16: bool, opset: int = 17, device: str | None = None) -> None:
+    """Write `model` (left unchanged) as an ONNX file of `contract`. The trace runs on `device`
+    (default: the GPU when there is one; a batch of 16 at 800x800 is slow on a CPU)."""
+    import copy
+
+    import onnx
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float16 if fp16 else torch.float32
+    model = copy.deepcopy(model).float().eval()
+    layout = anchor_layout(model, size_hw)
+    images = torch.zeros(batch_size, 3, *size_hw, dtype=dtype, device=device)
+    dynamic = {"images": {0: "batch"}} if dynamic_batch else None
+    if contract == "retinanet_heads":
+        module = Heads(model).eval()
+        args, inputs, outputs = (images,), ["images"], ["cls_logits", "bbox_regression"]
+        if dynamic:
+            dynamic.update({"cls_logits": {0: "batch"}, "bbox_regression": {0: "batch"}})
+    else:
+        module = EndToEnd(model, size_hw).eval()
+        args = (images, *(torch.tensor([v], device=device) for v in (0.05, 0.5, 300)))
+        inputs = ["images", "score_threshold", "iou_threshold", "max_detections"]
+        outputs = ["boxes", "scores", "labels", "batch_index"]
+    module = module.to(device=device, dtype=dtype)
+    if contract == "end_to_end":
+        module.anchors = module.anchors.float()  # decode and NMS stay in float32
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        torch.onnx.export(module, args, str(out), input_names=inputs, output_names=outputs, opset_version=opset,
+                          dynamic_axes=dynamic, dynamo=False, do_constant_folding=True)
+    proto = onnx.load(str(out))
+    entry = proto.metadata_props.add()
+    entry.key, entry.value = METADATA_KEY, json.dumps({**layout, "contract": contract})
+    proto.producer_name = f"gpudet scripts/export_retinanet.py (torchvision {torchvision.__version__})"
+    onnx.checker.check_model(proto)
+    onnx.save(proto, str(out))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contract", choices=["end_to_end", "retinanet_heads"], required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="retinanet_resnet50_fpn")
+    parser.add_argument("--checkpoint", type=Path, help="torchvision state_dict (.pth); default: random weights")
+    parser.add_argument("--num-classes", type=int, default=91, help="91: torchvision's COCO label ids")
+    parser.add_argument("--size", type=int, nargs=2, default=[800, 800], metavar=("H", "W"))
+    parser.add_argument("--batch-size", type=int, default=16, help="static batch size of the model")
+    parser.add_argument("--dynamic-batch", action="store_true", help="batch dimension symbolic instead")
+    parser.add_argument("--fp16", action="store_true", help="backbone and heads in float16 (input too)")
+    parser.add_argument("--seed", type=int, default=0, help="random initialisation seed (no --checkpoint)")
+    a = parser.parse_args(argv)
+    if a.checkpoint is not None and not a.checkpoint.is_file():
+        sys.exit(f"--checkpoint {a.checkpoint}: no such file")
+    model = build_model(a.arch, a.checkpoint, a.num_classes, a.seed)
+    export(model, a.contract, a.out, size_hw=tuple(a.size), batch_size=a.batch_size, dynamic_batch=a.dynamic_batch,
+           fp16=a.fp16)
+    print(f"wrote {a.out} ({a.out.stat().st_size / 1e6:.1f} MB): {a.arch}, {a.contract}, "
+          f"{'float16' if a.fp16 else 'float32'}, batch {'dynamic' if a.dynamic_batch else a.batch_size}, "
+          f"{a.size[0]}x{a.size[1]}, {'weights ' + str(a.checkpoint) if a.checkpoint else 'random weights'}")
+
+
+if __name__ == "__main__":
+    main()

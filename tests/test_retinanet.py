@@ -1,0 +1,241 @@
+"""torchvision RetinaNet through gpudet: the exporter's two contracts against torchvision's own
+eager detections, the heads postprocess on the device, and `gpudet detect` with both models.
+
+Needs torchvision (the Makefile installs it beside torch for these tests; gpudet itself does not
+import it). The weights are torchvision's random initialisation, with the classification and
+regression layers redrawn wider so that thousands of candidates pass the 0.05 threshold and NMS
+has real work: every level sends its top 1,000, the postprocess's worst case.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, SAMPLES, cpu_and_cuda, read_jsonl
+
+torchvision = pytest.importorskip("torchvision")
+sys.path.insert(0, str(ROOT / "scripts"))
+import export_retinanet as exporter  # noqa: E402
+
+from pipeline import Detector  # noqa: E402
+from pipeline.device import Device  # noqa: E402
+from pipeline.engine import Engine  # noqa: E402
+from pipeline.postprocess import RetinaNetHeads, to_device_meta  # noqa: E402
+from pipeline.source import list_images  # noqa: E402
+
+SIZE = (512, 512)
+BATCH = 4
+CONFIG = ROOT / "configs" / "retinanet_r50_coco.yaml"
+THRESHOLDS = dict(score_threshold=0.05, iou_threshold=0.5, max_detections=300)
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = exporter.build_model("retinanet_resnet50_fpn", None, 91, seed=0)
+    with torch.no_grad():  # spread the scores (see the module docstring)
+        model.head.classification_head.cls_logits.weight.normal_(0, 0.03)
+        model.head.classification_head.cls_logits.bias.fill_(-4.0)
+        model.head.regression_head.bbox_reg.weight.normal_(0, 0.02)
+    return model
+
+
+@pytest.fixture(scope="module")
+def exported(model, tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("retinanet")
+    files = {}
+    for contract in ("end_to_end", "retinanet_heads"):
+        files[contract] = folder / f"{contract}.onnx"
+        exporter.export(model, contract, files[contract], size_hw=SIZE, batch_size=BATCH, dynamic_batch=False,
+                        fp16=False, device="cpu")
+    return files
+
+
+@pytest.fixture(scope="module")
+def images() -> torch.Tensor:
+    return torch.randn(BATCH, 3, *SIZE, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def thresholds(model, images) -> dict:
+    """torchvision's defaults, with the score threshold raised just above every level's 1,000th
+    best score: candidates of equal fp32 score at that top-k border could otherwise go either way
+    (ORT's TopK and torch's break ties differently). Thousands of candidates still reach NMS."""
+    with torch.no_grad():
+        logits, _ = exporter.Heads(model)(images)
+    layout = exporter.anchor_layout(model, SIZE)
+    borders, start = [], 0
+    for (rows, cols), cell in zip(layout["grids"], layout["cell_anchors"]):
+        n = rows * cols * len(cell)
+        borders.append(logits[:, start:start + n].flatten(1).sigmoid().topk(1000, dim=1).values[:, -1].max())
+        start += n
+    return dict(THRESHOLDS, score_threshold=float(max(borders)) + 1e-4)
+
+
+@pytest.fixture(scope="module")
+def reference(model, images, thresholds):
+    found = exporter.torchvision_detections(model, images, **thresholds)
+    assert all(len(d["scores"]) == thresholds["max_detections"] for d in found)  # NMS had work to do
+    return found
+
+
+def iou(a: np.ndarray, b: np.ndarray) -> float:
+    inter = np.prod(np.clip(np.minimum(a[2:], b[2:]) - np.maximum(a[:2], b[:2]), 0, None))
+    return inter / (np.prod(a[2:] - a[:2]) + np.prod(b[2:] - b[:2]) - inter)
+
+
+def assert_same_detections(boxes, scores, labels, expected: dict, *, box_tol: float, score_tol: float,
+                           iou_threshold: float = 0.5):
+    """Same detections as torchvision's. Two overlapping candidates of one class whose scores
+    differ by less than ORT and torch differ on one score (~1e-6) are a tie greedy NMS may break
+    either way; a torchvision detection without a counterpart must be such a tie, and rare."""
+    assert len(scores) == len(expected["scores"]) > 0
+    np.testing.assert_allclose(scores, expected["scores"].numpy(), atol=score_tol)
+    want_boxes, want_labels = expected["boxes"].numpy(), expected["labels"].numpy()
+    unmatched, ties = set(range(len(scores))), []
+    for box, score, label in zip(want_boxes, expected["scores"].numpy(), want_labels):
+        same = [i for i in sorted(unmatched, key=lambda i: abs(scores[i] - score))
+                if abs(scores[i] - score) <= score_tol and labels[i] == label]
+        match = next((i for i in same if np.abs(boxes[i] - box).max() <= box_tol), None)
+        if match is None:  # the tie partner: same class, same score but for rounding, overlapping
+            match = next((i for i in same if abs(scores[i] - score) <= 1e-5 and iou(boxes[i], box) > iou_threshold),
+                         None)
+            ties.append(match)
+        assert match is not None, f"torchvision's {label=} {score=:.6f} {box} has no counterpart"
+        unmatched.remove(match)
+    assert len(ties) <= 2, f"{len(ties)} tie-broken detections of {len(scores)}"
+
+
+def test_anchors_are_torchvisions(model, exported, images):
+    engine = Engine(exported["retinanet_heads"], device=Device("cpu"), scalars={})
+    post = RetinaNetHeads.from_metadata(engine.metadata, exported["retinanet_heads"], torch.device("cpu"))
+    assert torch.equal(post.anchors, exporter.reference_anchors(model, images))
+
+
+def test_end_to_end_model_gives_torchvisions_detections(exported, images, reference, thresholds):
+    engine = Engine(exported["end_to_end"], device=Device("cpu"), scalars=thresholds)
+    out = {k: v.numpy() for k, v in engine.run(images).items()}
+    assert sorted(out) == ["batch_index", "boxes", "labels", "scores"]
+    for b, expected in enumerate(reference):
+        rows = out["batch_index"] == b
+        assert_same_detections(out["boxes"][rows], out["scores"][rows], out["labels"][rows], expected,
+                               box_tol=0.5, score_tol=1e-4)
+
+
+def test_heads_model_gives_torchvisions_detections(exported, images, reference, thresholds):
+    engine = Engine(exported["retinanet_heads"], device=Device("cpu"), scalars={})
+    outputs = engine.run(images)
+    assert outputs["cls_logits"].shape == (BATCH, 49104, 91)
+    post = RetinaNetHeads.from_metadata(engine.metadata, exported["retinanet_heads"], torch.device("cpu"))
+    ones, zeros = np.ones((BATCH, 2), np.float32), np.zeros((BATCH, 2), np.float32)
+    meta = to_device_meta(ones, zeros, np.array([SIZE] * BATCH), torch.device("cpu"))
+    found = post(outputs, meta, **thresholds).to_host()
+    for b, expected in enumerate(reference):
+        rows = found.rows_of(b)
+        assert_same_detections(found.boxes_xyxy[rows], found.scores[rows], found.labels[rows], expected,
+                               box_tol=0.5, score_tol=1e-4)
+
+
+def detect(model_path: Path, device: str, out: Path) -> dict[str, list]:
+    """`gpudet detect samples` with the RetinaNet config; {file name: detections}."""
+    subprocess.run([sys.executable, "-m", "pipeline", "detect", str(SAMPLES), "--config", str(CONFIG),
+                    "--model", str(model_path), "--device", device, "--out", str(out), "--quiet"], check=True)
+    return {Path(r["path"]).name: r["detections"] for r in read_jsonl(out / "detections.jsonl")}
+
+
+def assert_close(a: dict[str, list], b: dict[str, list], box_tol: float):
+    assert a.keys() == b.keys() == {p.name for p in SAMPLES.iterdir() if p.suffix in (".png", ".jpg")}
+    for name in a:
+        assert len(a[name]) == len(b[name]) > 0, name
+        boxes_a, boxes_b = (np.array([d["box"] for d in x[name]]) for x in (a, b))
+        scores_a, scores_b = (np.array([d["score"] for d in x[name]]) for x in (a, b))
+        np.testing.assert_allclose(scores_a, scores_b, atol=2e-3, err_msg=name)
+        # Rows of near-equal score may swap; compare each row with the nearest same-label row.
+        for box, score, det in zip(boxes_a, scores_a, a[name]):
+            near = [i for i, d in enumerate(b[name]) if d["label"] == det["label"] and abs(d["score"] - score) <= 2e-3]
+            assert near and min(np.abs(boxes_b[i] - box).max() for i in near) <= box_tol, (name, det)
+
+
+@cpu_and_cuda()
+def test_both_contracts_detect_the_same_through_gpudet(device, exported, tmp_path):
+    """`gpudet detect` on the sample photos with each contract (static batch 4: 6 photos make a
+    full batch and a padded one); on the GPU, also the same as on the CPU within 1 px."""
+    e2e = detect(exported["end_to_end"], device, tmp_path / "e2e")
+    heads = detect(exported["retinanet_heads"], device, tmp_path / "heads")
+    assert_close(e2e, heads, box_tol=0.05)  # JSON rounds to 0.01 px
+    assert {d["name"] for dets in e2e.values() for d in dets} <= set(exporter_labels())
+    if device == "cuda":
+        cpu = detect(exported["retinanet_heads"], "cpu", tmp_path / "cpu")
+        assert_close(heads, cpu, box_tol=1.0)
+
+
+def exporter_labels() -> list[str]:
+    from pipeline.config import load_config
+
+    return load_config(CONFIG).model.labels
+
+
+def test_the_pipeline_runs_without_torchvision(exported, tmp_path):
+    """torchvision is an export-time need only: block its import and run the heads model."""
+    code = (f"import sys; sys.modules['torchvision'] = None\n"
+            f"from pipeline import Detector\n"
+            f"d = Detector.from_config({str(CONFIG)!r}, model={str(exported['retinanet_heads'])!r}, device='cpu')\n"
+            f"print(sum(len(r.scores) for r in d.run({str(SAMPLES / 'china.jpg')!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) > 0
+
+
+def test_the_exporter_says_what_to_install_without_torchvision(tmp_path):
+    code = ("import sys, runpy; sys.modules['torchvision'] = None; sys.argv = ['export_retinanet.py', '--help']\n"
+            f"runpy.run_path({str(ROOT / 'scripts' / 'export_retinanet.py')!r}, run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0 and "pip install torch==2.14.1 torchvision==0.29.1" in out.stderr
+
+
+def test_a_heads_model_without_its_anchor_layout_is_refused(exported, tmp_path):
+    import onnx
+
+    proto = onnx.load(str(exported["retinanet_heads"]))
+    del proto.metadata_props[:]
+    bare = tmp_path / "bare.onnx"
+    onnx.save(proto, str(bare))
+    with pytest.raises(Exception, match="gpudet.retinanet.*export_retinanet.py"):
+        Detector.from_config(CONFIG, model=bare, device="cpu")
+
+
+def test_a_static_batch_model_sets_the_batch_size(exported):
+    detector = Detector.from_config(CONFIG, model=exported["end_to_end"], device="cpu", batch_size=16)
+    assert detector.config.run.batch_size == BATCH and detector.contract == "end_to_end"
+    assert detector.preprocessor.pad_partial_batches
+
+
+@pytest.mark.cuda
+def test_heads_buffers_are_reused_and_postprocess_copies_only_the_final_detections(exported, tmp_path):
+    """On the GPU: the heads' outputs land in the same preallocated buffers every batch, and the
+    only device-to-host copies of engine + postprocess are the final rows and a few flags."""
+    from test_engine import dtoh_copies
+    from torch.profiler import ProfilerActivity, profile
+
+    detector = Detector.from_config(CONFIG, model=exported["retinanet_heads"], device="cuda")
+    refs = list_images(SAMPLES)[:BATCH]
+    pointers = []
+    for _ in range(3):
+        (batch, _), = list(detector.stream(refs, on_error=lambda errors: None))
+        pointers.append({k: v.data_ptr() for k, v in detector.engine.static_buffers(BATCH).items()})
+    assert pointers[0] == pointers[1] == pointers[2] and len(pointers[0]) == 2
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        (batch, found), = list(detector.stream(refs, on_error=lambda errors: None))
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    copies = dtoh_copies(tmp_path / "trace.json")
+    final_bytes = len(found.scores) * (3 + 4) * 4
+    heads_bytes = BATCH * 49104 * (91 + 4) * 4
+    print(f"retinanet_heads: {len(found.scores)} detections, final rows {final_bytes} B, D2H copies {copies}")
+    assert sorted(copies)[-1] == final_bytes and sum(copies) <= final_bytes + 64
+    assert sum(copies) < heads_bytes / 1000
