@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# RetinaNet on the H200 (issues 3, 4, 7): the GPU tests, the side-by-side benchmark, and with two
+# GPUs the --devices and Ray runs. Usage (GPU machine, wheels installed, PYTHONPATH set):
+#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|scale
+set -uo pipefail
+OUT=${OUT:-/tmp/gpudet-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+WORK=/tmp/rn; mkdir -p $WORK
+quiet() { grep -v -i "deprecat\|_handle_op\|libpng\|jpeg_parser\|libjpeg\|Corrupt JPEG\|TracerWarning\|^  \|warnings.warn"; }
+images() {  # a realistic set (random crops of the bundled photos, 480-1024 px, JPEG q90)
+  [ -f /tmp/imgset/list.txt ] || $PY scripts/make_image_set.py /tmp/imgset --count "${COUNT:-4000}" > /dev/null
+  grep -v png /tmp/imgset/list.txt | sed "s#^#/tmp/imgset/#" > /tmp/imgset/jpg_abs.txt
+}
+case "${1:-}" in
+  tests)
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+    $PY -c "import torch, torchvision, onnxruntime as o, nvidia.dali as d; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'ort', o.__version__, 'dali', d.__version__)" | tee -a "$OUT/gpu.txt"
+    $PY -m pytest -q -rs -p no:cacheprovider -m cuda tests -s 2>&1 | tee "$OUT/pytest_cuda.log" | grep -E "passed|failed|FAILED|Error|D2H copies" | tail -25
+    ;;
+  bench)
+    images
+    $PY scripts/bench_retinanet.py /tmp/imgset/jpg_abs.txt --out $WORK --limit "${LIMIT:-2000}" 2>&1 | quiet | tee "$OUT/bench_retinanet.txt"
+    cp $WORK/bench_retinanet.json "$OUT/"
+    ;;
+  scale)
+    images
+    for k in 1 2 3 4; do cat /tmp/imgset/jpg_abs.txt; done > /tmp/imgset/x4.txt
+    M=$WORK/retinanet_heads_fp16.onnx
+    for run in "--device cuda:0" "--devices 0,1"; do
+      tag=$(echo "$run" | tr -cd '[:alnum:]')
+      echo "== retinanet heads fp16, $run" | tee -a "$OUT/scale.txt"
+      $PY -m pipeline detect /tmp/imgset/x4.txt --config configs/retinanet_r50_coco.yaml --model $M $run \
+        --out /tmp/scale_$tag --overwrite 2>&1 | quiet | tail -4 | tee -a "$OUT/scale.txt"
+      cp /tmp/scale_$tag/summary.json "$OUT/scale_$tag.json"
+    done
+    echo "== retinanet heads fp16, --ray --workers 2" | tee -a "$OUT/scale.txt"
+    $PY -m pipeline detect /tmp/imgset/x4.txt --config configs/retinanet_r50_coco.yaml --model $M --ray --workers 2 \
+      --out /tmp/scale_ray --overwrite 2>&1 | quiet | tail -6 | tee -a "$OUT/scale.txt"
+    cp /tmp/scale_ray/summary.json "$OUT/scale_ray.json"
+    $PY - <<'PY' | tee -a "$OUT/scale.txt"
+import json
+a, b = (json.load(open(f"/tmp/scale_{t}/summary.json")) for t in ("devicecuda0", "devices01"))
+print("one GPU, img/s after setup:", a["images_per_s"], "| two workers, per worker:",
+      [w.get("images_per_s") for w in b.get("workers", [])], "| wall totals:", a["seconds"]["total"], b["seconds"]["total"])
+PY
+    ;;
+  *) echo "usage: $0 tests|bench|scale" >&2; exit 2 ;;
+esac
