@@ -14,6 +14,7 @@ import re
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,14 +163,17 @@ def is_out_of_memory(error: Exception) -> bool:
         "failed to allocate memory" in text or "is smaller than requested bytes" in text
 
 
-def infer(engine: Engine, batch: PreprocessedBatch, *, chunk: int, postprocess):
-    """Engine + postprocess over the batch, `chunk` images per model run.
+def infer(engine: Engine, batch: PreprocessedBatch, *, chunk: int, postprocess, slot: int = 0):
+    """Engine over the batch, `chunk` images per model run; returns a function that postprocesses.
 
-    chunk >= the batch: one run on DALI's own buffer. Smaller (after a GPU out-of-memory):
-    zero-copy torch views of that buffer, run one after the other."""
+    chunk >= the batch: one run on DALI's own buffer into the engine's output buffers `slot`; the
+    postprocess is left to the caller (it may run on another thread while the engine runs the next
+    batch into the other slot). Smaller (after a GPU out-of-memory): zero-copy torch views of that
+    buffer, run and postprocessed one after the other, here."""
     total = batch.orig_hw.shape[0]
     if chunk >= total:
-        return postprocess(engine.run(batch.images), batch.scale_yx, batch.pad_yx, batch.orig_hw, len(batch.refs))
+        outputs = engine.run(batch.images, slot=slot)
+        return lambda: postprocess(outputs, batch.scale_yx, batch.pad_yx, batch.orig_hw, len(batch.refs))
     images = torch.from_dlpack(batch.images)
     parts = []
     for start in range(0, len(batch.refs), chunk):
@@ -178,7 +182,8 @@ def infer(engine: Engine, batch: PreprocessedBatch, *, chunk: int, postprocess):
                            batch.orig_hw[start:stop], min(stop, len(batch.refs)) - start)
         part.batch_index += start
         parts.append(part)
-    return type(parts[0]).concatenate(parts)
+    found = type(parts[0]).concatenate(parts)
+    return lambda: found
 
 
 def out_of_memory(device: Device, chunk: int, batch_size: int, error: Exception,
@@ -228,7 +233,7 @@ class Detector:
         return cls(load_config(config, list(overrides) + option_overrides(model=model, device=device,
                                                                             batch_size=batch_size)))
 
-    def _postprocess(self, clock: StageClock, on_device: bool):
+    def _postprocess(self, on_device: bool):
         p = self.config.postprocess
         input_hw = self.engine.image_input.size_hw or tuple(self.config.preprocess.size)
 
@@ -249,9 +254,13 @@ class Detector:
             return found
 
         def postprocess(outputs, scale_yx, pad_yx, orig_hw, num_images):
-            with clock("postprocess"):  # torch on the device; one copy of final detections to the host
-                found = decode(outputs, to_device_meta(scale_yx, pad_yx, orig_hw, self.device.torch), num_images)
-                return found if on_device else found.to_host()
+            # torch on the device; one copy of the final detections to the host
+            found = decode(outputs, to_device_meta(scale_yx, pad_yx, orig_hw, self.device.torch), num_images)
+            if not on_device:
+                return found.to_host()
+            if self.device.is_cuda:  # done reading the engine's output buffers before they are reused
+                torch.cuda.current_stream(self.device.torch).synchronize()
+            return found
         return postprocess
 
     def _shrink_model_batch(self, error: Exception, images: int) -> None:
@@ -277,12 +286,13 @@ class Detector:
             except Exception as e:
                 self._shrink_model_batch(e, self.model_batch)
 
-    def _infer(self, batch: PreprocessedBatch, postprocess, clock: StageClock):
-        """Engine + postprocess on one batch, halving the model batch on GPU out-of-memory."""
+    def _infer(self, batch: PreprocessedBatch, postprocess, clock: StageClock, slot: int):
+        """The engine on one batch, halving the model batch on GPU out-of-memory; returns the
+        function that postprocesses it."""
         while True:
             try:
                 with clock("engine"):  # ORT: DALI's buffer bound via DLPack, outputs stay on the device
-                    return infer(self.engine, batch, chunk=self.model_batch, postprocess=postprocess)
+                    return infer(self.engine, batch, chunk=self.model_batch, postprocess=postprocess, slot=slot)
             except Exception as e:
                 self._shrink_model_batch(e, batch.orig_hw.shape[0])
 
@@ -295,7 +305,7 @@ class Detector:
         (torch tensors on the device, no host copy); they are the caller's to keep."""
         clock = clock or StageClock()
         config = self.config
-        postprocess = self._postprocess(clock, on_device)
+        postprocess = self._postprocess(on_device)
 
         def checked_batches() -> Iterator[list[EncodedImage]]:
             for items in clock.timed(read_batches(refs, batch_size=config.run.batch_size,
@@ -304,9 +314,24 @@ class Detector:
                 on_error([i for i in items if isinstance(i, ImageError)])
                 yield [i for i in items if isinstance(i, EncodedImage)]
 
-        # source: bytes read ahead on threads, cheap checks -> preprocess: DALI, 2 batches in flight
-        for batch in clock.timed(preprocess_stream(self.preprocessor, checked_batches(), on_error), "preprocess"):
-            yield batch, self._infer(batch, postprocess, clock)  # engine + postprocess, on the device
+        def finished(batch: PreprocessedBatch, future: Future):
+            with clock("postprocess"):  # waits for the postprocess thread
+                return batch, future.result()
+
+        # The engine runs batch i+1 into one set of output buffers while a thread postprocesses
+        # batch i from the other set (ORT and torch's kernels release the GIL); batch i is yielded,
+        # and written by the caller, after that.
+        pending: deque[tuple[PreprocessedBatch, Future]] = deque()
+        with ThreadPoolExecutor(1, thread_name_prefix="gpudet-postprocess") as post_thread:
+            # source: bytes read ahead on threads, cheap checks -> preprocess: DALI, 2 batches in flight
+            batches = clock.timed(preprocess_stream(self.preprocessor, checked_batches(), on_error), "preprocess")
+            for i, batch in enumerate(batches):
+                finish = self._infer(batch, postprocess, clock, slot=i % 2)  # engine: outputs stay on the device
+                pending.append((batch, post_thread.submit(finish)))  # postprocess, on the device
+                if len(pending) == 2:
+                    yield finished(*pending.popleft())
+            while pending:
+                yield finished(*pending.popleft())
 
     def run(self, source: str | Path | list[str], *, root: str | None = None) -> Iterator[ImageResult | ImageError]:
         """Per-image results for a source (file list, folder, glob, or a list of paths), in batch

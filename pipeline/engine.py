@@ -147,7 +147,7 @@ class Engine:
         self.image_input = find_image_input(self.inputs, self.model_path)
         self._batch_dim = next(s.shape[0] for s in self.inputs if s.name == self.image_input.name)
         self.binding = self.session.io_binding()
-        self._static_buffers: dict[int, dict[str, torch.Tensor]] = {}
+        self._static_buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         for spec in self.inputs:
             if spec.name in SCALAR_INPUTS:
                 if spec.name not in scalars:
@@ -191,16 +191,18 @@ class Engine:
                 return None
         return tuple(dims)
 
-    def static_buffers(self, batch_size: int) -> dict[str, torch.Tensor]:
-        """Preallocated device buffers for the outputs whose shape is known, per batch size."""
-        if batch_size not in self._static_buffers:
+    def static_buffers(self, batch_size: int, slot: int = 0) -> dict[str, torch.Tensor]:
+        """Preallocated device buffers for the outputs whose shape is known, per batch size and
+        slot (two slots let one batch be postprocessed while the next is computed)."""
+        key = (batch_size, slot)
+        if key not in self._static_buffers:
             buffers = {}
             for spec in self.outputs:
                 shape = self.output_shape(spec, batch_size)
                 if shape is not None:
                     buffers[spec.name] = torch.empty(shape, dtype=ORT_TO_TORCH[spec.dtype], device=self.device.torch)
-            self._static_buffers[batch_size] = buffers
-        return self._static_buffers[batch_size]
+            self._static_buffers[key] = buffers
+        return self._static_buffers[key]
 
     def warm_up(self, batch_size: int, size_hw: tuple[int, int]) -> None:
         """Run once on a zero batch of the input's shape, so the CUDA EP's one-time work (cuDNN
@@ -213,11 +215,12 @@ class Engine:
         dtype = torch.float16 if spec.dtype == "float16" else torch.float32
         self.run(torch.zeros(shape, dtype=dtype, device=self.device.torch))
 
-    def run(self, images) -> dict[str, torch.Tensor]:
+    def run(self, images, slot: int = 0) -> dict[str, torch.Tensor]:
         """Run on `images` (any DLPack tensor on this device, shaped as the model's image input).
 
-        Returns every output as a torch tensor on the device: static ones are views of the
-        preallocated buffers (overwritten by the next run), dynamic ones ORT's own allocations.
+        Returns every output as a torch tensor on the device: static ones are the preallocated
+        buffers of `slot` (overwritten by the next run into that slot), dynamic ones ORT's own
+        allocations.
         """
         value = ort.OrtValue.from_dlpack(images)
         batch_size = value.shape()[0]
@@ -225,7 +228,7 @@ class Engine:
             raise ModelError(f"{self.model_path}: the model takes batches of exactly {self.image_input.batch} images, "
                              f"not {batch_size}")
         self.binding.bind_ortvalue_input(self.image_input.name, value)
-        buffers = self.static_buffers(batch_size)
+        buffers = self.static_buffers(batch_size, slot)
         for spec in self.outputs:
             if spec.name in buffers:
                 buf = buffers[spec.name]

@@ -280,10 +280,20 @@ class RetinaNetHeads:
             raise ModelError(f"cls_logits has {anchors} anchors; the metadata's layout makes {len(self.anchors)}")
         scores, index, start = [], [], 0
         for n in self.level_sizes:
-            top, at = logits[:, start:start + n].reshape(batch, n * num_classes).topk(
-                min(self.topk, n * num_classes), dim=1)
+            level = logits[:, start:start + n]  # [B, n, K]
+            k = min(self.topk, n * num_classes)
+            # The top k (anchor, class) pairs lie on the k anchors of highest best-class score (an
+            # anchor outside those has its best score below k others', so all its pairs rank below
+            # k pairs). Top-k over anchors, then over their k x K pairs: instead of one top-k over
+            # n x K = 8.2 M pairs per image at P3 (800 px), the slow part of the naive version.
+            if k < n:
+                _, best = level.amax(dim=2).topk(k, dim=1)  # [B, k] anchors
+                level = level.gather(1, best[..., None].expand(-1, -1, num_classes))
+            else:
+                best = torch.arange(n, device=logits.device).expand(batch, n)
+            top, at = level.reshape(batch, -1).topk(k, dim=1)
             scores.append(top)
-            index.append(at + start * num_classes)
+            index.append((best.gather(1, at // num_classes) + start) * num_classes + at % num_classes)
             start += n
         scores, order = torch.cat(scores, dim=1).float().sigmoid().sort(dim=1, descending=True)
         index = torch.cat(index, dim=1).gather(1, order)

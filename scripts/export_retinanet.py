@@ -154,17 +154,22 @@ class EndToEnd(nn.Module):
         self.size_hw = size_hw
 
     def forward(self, images, score_threshold, iou_threshold, max_detections):
-        logits, regression = self.heads(images)
-        logits, regression = logits.float(), regression.float()
+        logits, regression = self.heads(images)  # the model's dtype; only the winners go to float32
         batch, _, num_classes = logits.shape
         boxes, scores, labels, start = [], [], [], 0
         for n in self.level_sizes:
-            top, index = logits[:, start:start + n].reshape(batch, n * num_classes).topk(
-                min(self.topk, n * num_classes), dim=1)
-            anchor = torch.div(index, num_classes, rounding_mode="floor")
-            level_regression = regression[:, start:start + n].gather(1, anchor[..., None].expand(-1, -1, 4))
+            level, k = logits[:, start:start + n], min(self.topk, n * num_classes)
+            if k < n:  # top-k pairs lie on the top-k anchors by best class (postprocess.RetinaNetHeads)
+                best = level.amax(dim=2).topk(k, dim=1)[1]
+                level = level.gather(1, best[..., None].expand(-1, -1, num_classes))
+            else:
+                best = torch.arange(n, device=logits.device).expand(batch, n)
+            top, index = level.reshape(batch, -1).topk(k, dim=1)
+            anchor = best.gather(1, torch.div(index, num_classes, rounding_mode="floor"))
+            index = anchor * num_classes + index % num_classes
+            level_regression = regression[:, start:start + n].gather(1, anchor[..., None].expand(-1, -1, 4)).float()
             boxes.append(decode(level_regression, self.anchors[start:start + n][anchor], self.weights, self.clip))
-            scores.append(top.sigmoid())
+            scores.append(top.float().sigmoid())
             labels.append(index % num_classes)
             start += n
         height, width = self.size_hw

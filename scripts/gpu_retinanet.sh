@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # RetinaNet on the H200 (issues 3, 4, 7): the GPU tests, the side-by-side benchmark, and with two
 # GPUs the --devices and Ray runs. Usage (GPU machine, wheels installed, PYTHONPATH set):
-#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|scale
+#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|scale
 set -uo pipefail
 OUT=${OUT:-/tmp/gpudet-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -22,6 +22,11 @@ case "${1:-}" in
     images
     $PY scripts/bench_retinanet.py /tmp/imgset/jpg_abs.txt --out $WORK --limit "${LIMIT:-2000}" 2>&1 | quiet | tee "$OUT/bench_retinanet.txt"
     cp $WORK/bench_retinanet.json "$OUT/"
+    ;;
+  profile)
+    for m in retinanet_heads_fp16 retinanet_e2e_fp16; do
+      $PY scripts/profile_ort.py $WORK/$m.onnx --nhwc 2>&1 | quiet | tee -a "$OUT/profile.txt"
+    done
     ;;
   scale)
     images
@@ -45,5 +50,5 @@ print("one GPU, img/s after setup:", a["images_per_s"], "| two workers, per work
       [w.get("images_per_s") for w in b.get("workers", [])], "| wall totals:", a["seconds"]["total"], b["seconds"]["total"])
 PY
     ;;
-  *) echo "usage: $0 tests|bench|scale" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|profile|scale" >&2; exit 2 ;;
 esac

@@ -149,17 +149,28 @@ def detect(model_path: Path, device: str, out: Path) -> dict[str, list]:
     return {Path(r["path"]).name: r["detections"] for r in read_jsonl(out / "detections.jsonl")}
 
 
-def assert_close(a: dict[str, list], b: dict[str, list], box_tol: float):
+def assert_close(a: dict[str, list], b: dict[str, list], *, box_tol: float, score_tol: float, top: int | None = None):
+    """Every detection of `a` (its best `top` per image, or all and the same count) has one in `b`
+    of the same label, score within score_tol, box within box_tol px; or, at most 2% of them, a
+    tie partner there: same label and score, overlapping by more than the NMS IoU (two candidates
+    that close in score may be kept either way when the numbers differ in the last bits)."""
     assert a.keys() == b.keys() == {p.name for p in SAMPLES.iterdir() if p.suffix in (".png", ".jpg")}
     for name in a:
-        assert len(a[name]) == len(b[name]) > 0, name
-        boxes_a, boxes_b = (np.array([d["box"] for d in x[name]]) for x in (a, b))
-        scores_a, scores_b = (np.array([d["score"] for d in x[name]]) for x in (a, b))
-        np.testing.assert_allclose(scores_a, scores_b, atol=2e-3, err_msg=name)
-        # Rows of near-equal score may swap; compare each row with the nearest same-label row.
-        for box, score, det in zip(boxes_a, scores_a, a[name]):
-            near = [i for i, d in enumerate(b[name]) if d["label"] == det["label"] and abs(d["score"] - score) <= 2e-3]
-            assert near and min(np.abs(boxes_b[i] - box).max() for i in near) <= box_tol, (name, det)
+        if top is None:
+            assert len(a[name]) == len(b[name]) > 0, name
+        rows_a = a[name][:top]
+        boxes_b = np.array([d["box"] for d in b[name]])
+        unmatched, ties = set(range(len(b[name]))), 0
+        for det in rows_a:
+            same = [i for i in sorted(unmatched, key=lambda i: abs(b[name][i]["score"] - det["score"]))
+                    if b[name][i]["label"] == det["label"] and abs(b[name][i]["score"] - det["score"]) <= score_tol]
+            match = next((i for i in same if np.abs(boxes_b[i] - det["box"]).max() <= box_tol), None)
+            if match is None:
+                match = next((i for i in same if iou(boxes_b[i], np.array(det["box"])) > 0.5), None)
+                ties += 1
+            assert match is not None, (name, det)
+            unmatched.remove(match)
+        assert ties <= max(2, len(rows_a) // 50), (name, ties)
 
 
 @cpu_and_cuda()
@@ -168,11 +179,13 @@ def test_both_contracts_detect_the_same_through_gpudet(device, exported, tmp_pat
     full batch and a padded one); on the GPU, also the same as on the CPU within 1 px."""
     e2e = detect(exported["end_to_end"], device, tmp_path / "e2e")
     heads = detect(exported["retinanet_heads"], device, tmp_path / "heads")
-    assert_close(e2e, heads, box_tol=0.05)  # JSON rounds to 0.01 px
+    assert_close(e2e, heads, box_tol=0.05, score_tol=1e-3 if device == "cuda" else 2e-5)  # JSON: 0.01 px, 1e-5
     assert {d["name"] for dets in e2e.values() for d in dets} <= set(exporter_labels())
     if device == "cuda":
+        # nvJPEG and libjpeg-turbo decode a few pixel values differently, and these random weights
+        # score 300 candidates per image within a few hundredths: compare the best 50 per image.
         cpu = detect(exported["retinanet_heads"], "cpu", tmp_path / "cpu")
-        assert_close(heads, cpu, box_tol=1.0)
+        assert_close(heads, cpu, box_tol=1.0, score_tol=0.01, top=50)
 
 
 def exporter_labels() -> list[str]:
@@ -218,18 +231,29 @@ def test_a_static_batch_model_sets_the_batch_size(exported):
 
 @pytest.mark.cuda
 def test_heads_buffers_are_reused_and_postprocess_copies_only_the_final_detections(exported, tmp_path):
-    """On the GPU: the heads' outputs land in the same preallocated buffers every batch, and the
-    only device-to-host copies of engine + postprocess are the final rows and a few flags."""
+    """On the GPU: the heads' outputs land in preallocated buffers, the same two sets every batch
+    (one is postprocessed while the engine fills the other), and the only device-to-host copies
+    of engine + postprocess are the final rows and a few flags."""
     from test_engine import dtoh_copies
     from torch.profiler import ProfilerActivity, profile
 
     detector = Detector.from_config(CONFIG, model=exported["retinanet_heads"], device="cuda")
-    refs = list_images(SAMPLES)[:BATCH]
-    pointers = []
-    for _ in range(3):
-        (batch, _), = list(detector.stream(refs, on_error=lambda errors: None))
-        pointers.append({k: v.data_ptr() for k, v in detector.engine.static_buffers(BATCH).items()})
-    assert pointers[0] == pointers[1] == pointers[2] and len(pointers[0]) == 2
+    engine_run, written = detector.engine.run, []
+
+    def run(images, slot=0):  # record where ORT wrote each batch's outputs
+        outputs = engine_run(images, slot)
+        written.append((slot, {k: v.data_ptr() for k, v in outputs.items()}))
+        return outputs
+
+    detector.engine.run = run
+    refs = [type(r)(i, r.path) for i, r in enumerate(list_images(SAMPLES) * 2)]  # 3 batches
+    for _ in range(2):
+        list(detector.stream(refs, on_error=lambda errors: None))
+    slots = {slot: [p for s, p in written if s == slot] for slot in (0, 1)}
+    assert len(written) == 6 and all(len(p) == 2 for _, p in written)  # cls_logits, bbox_regression
+    assert all(p == slots[0][0] for p in slots[0]) and all(p == slots[1][0] for p in slots[1])
+    assert set(slots[0][0].values()).isdisjoint(slots[1][0].values())  # two sets, each reused
+    refs = refs[:BATCH]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         (batch, found), = list(detector.stream(refs, on_error=lambda errors: None))
     prof.export_chrome_trace(str(tmp_path / "trace.json"))
