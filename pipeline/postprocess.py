@@ -347,7 +347,8 @@ class RetinaNetHeads:
                     self.kept(logits, regression, count, **thresholds)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread_local: ORT and DALI keep working on their own threads and streams meanwhile.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 outputs = self.kept(logits, regression, count, **thresholds)
             self._graphs[key] = (graph, count, outputs)
         graph, count, outputs = self._graphs[key]
