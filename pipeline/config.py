@@ -80,6 +80,9 @@ class RunConfig:
     prefer_nhwc: bool = False
     """ONNX Runtime CUDA EP option prefer_nhwc: convolutions in channels-last (NHWC) layout, where
     the tensor cores want it. RetinaNet R50 fp16 on the H200: 556 vs 472 img/s (docs/BENCHMARKS.md)."""
+    tf32: bool = True
+    """Let the CUDA EP run float32 convolutions and matmuls on TF32 tensor cores (ORT's default):
+    faster, with ~1e-3 relative error. false for float32 results that match the CPU's closely."""
     oom_retry: bool = True
     """On GPU out-of-memory in the model, run each batch in halves (down to one image) and go on."""
 

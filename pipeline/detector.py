@@ -75,6 +75,8 @@ class StageClock:
 def engine_args(config: Config) -> dict:
     p = config.postprocess
     cuda_options = {"prefer_nhwc": "1"} if config.run.prefer_nhwc else {}
+    if not config.run.tf32:
+        cuda_options["use_tf32"] = "0"
     if config.run.gpu_mem_limit_mb:
         # The arena grows only by what is asked, so the cap is reached late and exactly.
         cuda_options.update(gpu_mem_limit=str(config.run.gpu_mem_limit_mb << 20),
