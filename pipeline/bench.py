@@ -8,12 +8,14 @@
 
 Each measurement is warmed up first and counts images/s over the whole set (model: over
 repeated batches). Ratios are computed here, from this run; the report records hardware,
-versions, date and the exact command. Torch-eager and DataLoader baselines (they need
-torchvision's RetinaNet) are not in yet.
+versions, date and the exact command. `--latency N` adds batch-1 latency (p50/p99, file to
+detections). The torch-eager and DataLoader baselines need torchvision's RetinaNet; they are in
+scripts/bench_retinanet.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -98,6 +100,23 @@ def preprocess_images_per_s(items: list[EncodedImage], detector: Detector, itera
     return len(items) * iterations / (time.perf_counter() - start)
 
 
+def latency_ms(refs: list[ImageRef], config: Config, count: int) -> dict:
+    """One image at a time through a batch-1 detector: read, DALI, ORT, postprocess, detections on
+    the host. Percentiles of the per-image wall time, after 3 warm-up images."""
+    detector = Detector(dataclasses.replace(config, run=dataclasses.replace(config.run, batch_size=1)))
+    if detector.config.run.batch_size != 1:
+        return {"skipped": f"the model's batch size is fixed at {detector.config.run.batch_size}"}
+    times = []
+    for i, ref in enumerate((refs * (1 + (count + 3) // max(1, len(refs))))[:count + 3]):
+        start = time.perf_counter()
+        list(detector.stream([ref], lambda errors: None))
+        if i >= 3:
+            times.append(1e3 * (time.perf_counter() - start))
+    times.sort()
+    return {"images": len(times), "p50_ms": round(float(np.percentile(times, 50)), 3),
+            "p99_ms": round(float(np.percentile(times, 99)), 3)}
+
+
 def machine() -> dict:
     import onnxruntime
     import torch
@@ -115,7 +134,7 @@ def machine() -> dict:
 
 
 def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_naive: bool = False,
-              command: str = "") -> dict:
+              latency: int = 0, command: str = "") -> dict:
     refs = list_images(source)[:limit]
     refs = [ImageRef(i, r.path) for i, r in enumerate(refs)]
     detector = Detector(config)
@@ -130,7 +149,9 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
     ratios = {"gpudet / model": rates["gpudet"] / rates["model"]}
     if "naive" in rates:
         ratios["gpudet / naive"] = rates["gpudet"] / rates["naive"]
+    report_latency = latency_ms(refs, config, latency) if latency else None
     return {
+        **({"latency_batch_1": report_latency} if report_latency else {}),
         "images": len(refs), "batch_size": config.run.batch_size, "device": detector.device.describe(),
         "model": str(detector.model_path), "contract": detector.contract,
         "images_per_s": {k: round(v, 2) for k, v in rates.items()},
@@ -147,6 +168,11 @@ def format_report(report: dict) -> str:
     for name, rate in report["images_per_s"].items():
         lines.append(f"  {name:<12} {rate:>10.1f}")
     lines += [f"  {name:<16} {value:.2f}x" for name, value in report["ratios"].items()]
+    if "latency_batch_1" in report:
+        lat = report["latency_batch_1"]
+        lines.append(f"  latency, batch 1: {lat['skipped']}" if "skipped" in lat else
+                     f"  latency, batch 1, {lat['images']} images: p50 {lat['p50_ms']:.1f} ms, "
+                     f"p99 {lat['p99_ms']:.1f} ms")
     m = report["machine"]
     lines.append(f"  on {m['cpu']} ({m['cores']} cores){', ' + ', '.join(m['gpus']) if m['gpus'] else ''}; "
                  f"torch {m['torch']}, onnxruntime {m['onnxruntime']}, dali {m['dali']}; {report['date']}")

@@ -5,14 +5,17 @@ copy, no device copy). Scalar postprocess inputs some models declare (`score_thr
 `iou_threshold`, `max_detections`) are bound once, on the host, where ORT's kernels read them.
 
 Outputs: an output whose shape is known once the batch size is known is bound to a preallocated
-torch buffer on the device, one per batch size, reused across batches. Any other output (for
+torch buffer on the device, two per batch size ("slots": the caller postprocesses one while the
+engine fills the other), reused across batches. Any other output (for
 example the dynamic N of in-graph NMS) is bound by device only; ORT allocates it on the device
 and `torch.from_dlpack` reads it there. `OrtValue.numpy()` is never called on this path: on a
 CUDA OrtValue it is a device-to-host copy.
 
 Stream ordering: ORT's CUDA EP runs on its own stream and synchronizes it before
 `run_with_iobinding` returns (ORT's default). The outputs are therefore complete for any torch
-stream, and ORT is done with DALI's input buffer.
+stream, and ORT is done with DALI's input buffer. The postprocess thread reads a slot on torch's
+stream and synchronizes before handing the slot back (Detector.stream), so the engine never
+writes a slot that is still being read.
 """
 
 from __future__ import annotations

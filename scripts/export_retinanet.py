@@ -51,6 +51,9 @@ except ImportError as e:  # the exporter's one extra need; the pipeline never im
     sys.exit(f"export_retinanet.py needs torchvision ({e}). Install a pair that matches your torch, for example\n"
              "    pip install torch==2.14.1 torchvision==0.29.1")
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pipeline.postprocess import RetinaNetHeads  # noqa: E402
+
 ARCHITECTURES = {"retinanet_resnet50_fpn": retinanet_resnet50_fpn, "retinanet_resnet50_fpn_v2": retinanet_resnet50_fpn_v2}
 METADATA_KEY = "gpudet.retinanet"
 
@@ -148,7 +151,9 @@ class EndToEnd(nn.Module):
         super().__init__()
         self.heads = Heads(model)
         layout = anchor_layout(model, size_hw)
-        self.register_buffer("anchors", anchors_from_layout(layout), persistent=False)
+        # gpudet's own anchor builder (tested against torchvision's AnchorGenerator)
+        anchors = RetinaNetHeads(layout=layout, device=torch.device("cpu"), cuda_graphs=False).anchors
+        self.register_buffer("anchors", anchors, persistent=False)
         self.level_sizes = [g[0] * g[1] * len(c) for g, c in zip(layout["grids"], layout["cell_anchors"])]
         self.topk, self.weights, self.clip = layout["topk_candidates"], layout["box_weights"], layout["box_clip"]
         self.size_hw = size_hw
@@ -183,16 +188,6 @@ class EndToEnd(nn.Module):
         image, row = selected[:, 0], selected[:, 2]
         flat = image * boxes.shape[1] + row
         return (boxes.reshape(-1, 4)[flat], scores.reshape(-1)[flat], labels.reshape(-1)[flat], image)
-
-
-def anchors_from_layout(layout: dict) -> torch.Tensor:
-    """[A, 4] float32 x1y1x2y2, as torchvision's AnchorGenerator.grid_anchors makes them."""
-    parts = []
-    for (rows, cols), (stride_h, stride_w), cell in zip(layout["grids"], layout["strides"], layout["cell_anchors"]):
-        ys, xs = torch.meshgrid(torch.arange(rows) * stride_h, torch.arange(cols) * stride_w, indexing="ij")
-        shifts = torch.stack([xs.reshape(-1), ys.reshape(-1), xs.reshape(-1), ys.reshape(-1)], dim=1).float()
-        parts.append((shifts[:, None, :] + torch.tensor(cell, dtype=torch.float32)[None]).reshape(-1, 4))
-    return torch.cat(parts)
 
 
 def torchvision_detections(model: nn.Module, images: torch.Tensor, *, score_threshold: float, iou_threshold: float,

@@ -10,7 +10,7 @@ from conftest import SAMPLES
 def test_bench_reports_rates_ratios_and_the_machine(tmp_path, capsys):
     report_path = tmp_path / "bench.json"
     assert main(["bench", str(SAMPLES), "--device", "cpu", "--batch-size", "4", "--limit", "6", "--iterations", "1",
-                 "--json", str(report_path)]) == 0
+                 "--latency", "5", "--json", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
     assert set(report["images_per_s"]) == {"gpudet", "model", "preprocess", "naive"}
     assert all(rate > 0 for rate in report["images_per_s"].values())
@@ -18,5 +18,8 @@ def test_bench_reports_rates_ratios_and_the_machine(tmp_path, capsys):
                                                        report["images_per_s"]["naive"], 3)
     assert report["images"] == 6 and report["machine"]["cores"] >= 1 and report["date"]
     assert report["command"] == (f"gpudet bench {SAMPLES} --device cpu --batch-size 4 --limit 6 --iterations 1 "
-                                 f"--json {report_path}")
-    assert "gpudet / naive" in capsys.readouterr().out
+                                 f"--latency 5 --json {report_path}")
+    latency = report["latency_batch_1"]
+    assert latency["images"] == 5 and 0 < latency["p50_ms"] <= latency["p99_ms"]
+    out = capsys.readouterr().out
+    assert "gpudet / naive" in out and "latency, batch 1, 5 images: p50" in out
