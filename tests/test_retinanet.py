@@ -269,3 +269,20 @@ def test_heads_buffers_are_reused_and_postprocess_copies_only_the_final_detectio
     print(f"retinanet_heads: {len(found.scores)} detections, final rows {final_bytes} B, D2H copies {copies}")
     assert sorted(copies)[-1] == final_bytes and sum(copies) <= final_bytes + 64
     assert sum(copies) < heads_bytes / 1000
+
+
+def test_the_benchmark_script_runs(tmp_path):
+    """scripts/bench_retinanet.py end to end at a toy size on this machine (the H200 numbers in
+    docs/BENCHMARKS.md come from the same script): its JSON has every section's results."""
+    listing = tmp_path / "list.txt"
+    listing.write_text("\n".join(str(p) for p in sorted(SAMPLES.glob("*.jpg"))) + "\n")
+    out = tmp_path / "bench"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_retinanet.py"), str(listing), "--out", str(out),
+                    "--batch-size", "2", "--size", "128", "128", "--iterations", "2", "--workers", "1",
+                    "--only", "postprocess", "pytorch", "gpudet"], check=True, capture_output=True)
+    report = json.loads((out / "bench_retinanet.json").read_text())
+    results = report["results"]
+    assert results["gpudet heads postprocess score>0.0"]["candidates_per_image"] > 0
+    assert results["gpudet heads_fp16"]["images_per_s"] > 0 and results["gpudet e2e_fp16"]["contract"] == "end_to_end"
+    assert results["pytorch pipeline (DataLoader + eager fp16 + torchvision postprocess)"]["images_per_s"] > 0
+    assert report["ratios"]["gpudet heads / pytorch pipeline"] > 0 and report["machine"]["cores"] >= 1
