@@ -3,6 +3,7 @@
 import json
 
 import onnx
+import pytest
 
 from pipeline.cli import main
 
@@ -31,3 +32,15 @@ def test_inspect_explains_a_model_that_fits_no_contract(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "contract   none" in text and "y float [1, 3, 8, 8]" in text and "boxes (rank 2)" in text
     assert main(["inspect", str(tmp_path / "missing.onnx")]) == 2
+
+
+@pytest.mark.cuda
+def test_inspect_lists_the_memcpy_nodes_on_a_gpu(capsys):
+    """With a GPU, inspect lists the Memcpy nodes ORT inserts: the end-to-end RetinaFace model
+    has some (NMS's shape arithmetic and outputs go through the CPU), the heads model fewer."""
+    assert main(["inspect", str(ROOT / "models" / "retinaface_mnet025.onnx"), "--json"]) == 0
+    e2e = json.loads(capsys.readouterr().out)["cuda_memcpy_nodes"]
+    assert main(["inspect", str(ROOT / "models" / "retinaface_mnet025_heads_640.onnx"), "--json"]) == 0
+    heads = json.loads(capsys.readouterr().out)["cuda_memcpy_nodes"]
+    assert isinstance(e2e, list) and len(e2e) > 0 and all("Memcpy" in m for m in e2e)
+    assert isinstance(heads, list) and len(heads) < len(e2e)
