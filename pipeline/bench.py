@@ -138,20 +138,25 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
     refs = list_images(source)[:limit]
     refs = [ImageRef(i, r.path) for i, r in enumerate(refs)]
     detector = Detector(config)
+    config = detector.config  # a model with a static batch size has set run.batch_size
     items = [i for i in map(read_checked, refs[:config.run.batch_size]) if isinstance(i, EncodedImage)]
     rates = {
         "gpudet": gpudet_images_per_s(refs, detector),
         "model": model_images_per_s(items, detector, iterations),
         "preprocess": preprocess_images_per_s(items, detector, iterations),
     }
-    if not skip_naive:
+    skipped = {}
+    if detector.engine.image_input.batch not in (None, 1) and not skip_naive:
+        skipped["naive"] = (f"the model takes batches of exactly {detector.engine.image_input.batch}; the naive "
+                            "loop runs one image at a time: give it a model with a dynamic batch")
+    elif not skip_naive:
         rates["naive"] = naive_images_per_s(refs, detector)
     ratios = {"gpudet / model": rates["gpudet"] / rates["model"]}
     if "naive" in rates:
         ratios["gpudet / naive"] = rates["gpudet"] / rates["naive"]
     report_latency = latency_ms(refs, config, latency) if latency else None
     return {
-        **({"latency_batch_1": report_latency} if report_latency else {}),
+        **({"latency_batch_1": report_latency} if report_latency else {}), **({"skipped": skipped} if skipped else {}),
         "images": len(refs), "batch_size": config.run.batch_size, "device": detector.device.describe(),
         "model": str(detector.model_path), "contract": detector.contract,
         "images_per_s": {k: round(v, 2) for k, v in rates.items()},
@@ -168,6 +173,7 @@ def format_report(report: dict) -> str:
     for name, rate in report["images_per_s"].items():
         lines.append(f"  {name:<12} {rate:>10.1f}")
     lines += [f"  {name:<16} {value:.2f}x" for name, value in report["ratios"].items()]
+    lines += [f"  {name}: skipped, {why}" for name, why in report.get("skipped", {}).items()]
     if "latency_batch_1" in report:
         lat = report["latency_batch_1"]
         lines.append(f"  latency, batch 1: {lat['skipped']}" if "skipped" in lat else

@@ -286,3 +286,18 @@ def test_the_benchmark_script_runs(tmp_path):
     assert results["gpudet heads_fp16"]["images_per_s"] > 0 and results["gpudet e2e_fp16"]["contract"] == "end_to_end"
     assert results["pytorch pipeline (DataLoader + eager fp16 + torchvision postprocess)"]["images_per_s"] > 0
     assert report["ratios"]["gpudet heads / pytorch pipeline"] > 0 and report["machine"]["cores"] >= 1
+
+
+def test_gpudet_bench_on_a_static_batch_model(exported, tmp_path, capsys):
+    """`gpudet bench` with the RetinaNet config and a batch-4 model: the batch comes from the
+    model, and the naive baseline (one image per run) is skipped with the reason, not crashed."""
+    from pipeline.cli import main
+
+    report_path = tmp_path / "bench.json"
+    assert main(["bench", str(SAMPLES), "--config", str(CONFIG), "--set", f"model.path={exported['retinanet_heads']}",
+                 "--device", "cpu", "--iterations", "1", "--latency", "2", "--json", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    assert report["batch_size"] == BATCH and report["contract"] == "retinanet_heads"
+    assert "naive" not in report["images_per_s"] and "batches of exactly 4" in report["skipped"]["naive"]
+    assert "fixed at 4" in report["latency_batch_1"]["skipped"]
+    assert "naive: skipped" in capsys.readouterr().out
