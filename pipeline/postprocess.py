@@ -6,8 +6,10 @@ The end-to-end contract (the default RetinaFace model, any model with in-graph N
     batch_index  [N]     int, which image of the batch
     labels       [N]     int, optional (label 0 when absent)
     landmarks    [N, 2K] (x, y) pairs in model-input pixels, optional
-N counts the detections of the whole batch. Everything below runs in torch on the outputs'
-device; the one device-to-host copy is of the final, thresholded detections, once per batch.
+N counts the detections of the whole batch. Raw-heads models are decoded and NMS'd here instead:
+SsdHeads (loc/conf, RetinaFace) and RetinaNetHeads (cls_logits/bbox_regression, torchvision's
+RetinaNet). Everything below runs in torch on the outputs' device; the one device-to-host copy
+is of the final, thresholded detections, once per batch.
 """
 
 from __future__ import annotations
@@ -247,8 +249,8 @@ class RetinaNetHeads:
     do not settle it) -> best `max_detections` per image.
 
     Everything up to the kept mask has static shapes and no host sync, so on a GPU it is captured
-    once per output buffer as a CUDA graph and replayed: ~200 small kernels become one launch (at
-    these sizes launching them, not running them, is the cost).
+    once per output buffer as a CUDA graph and replayed: ~200 small kernels become one launch
+    (H200, batch 16 at 800x800: 5.6 ms per batch launched one by one, 3.6 ms replayed).
 
     The anchor layout comes from the model's metadata (`gpudet.retinanet`, written by
     scripts/export_retinanet.py); the anchors are built once, on the device.
