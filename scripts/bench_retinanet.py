@@ -44,6 +44,8 @@ from pipeline.postprocess import RetinaNetHeads, to_device_meta  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "retinanet_r50_coco.yaml"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to try this script out
+PYTORCH = "pytorch pipeline (DataLoader + eager fp16 + torchvision postprocess)"
+NAIVE = "naive (PIL + numpy + session.run, fp32)"
 
 
 def sync() -> None:
@@ -86,37 +88,35 @@ def models(out: Path, batch: int, size_hw: tuple[int, int], log) -> tuple[torch.
                                           ("heads_fp32", "retinanet_heads", False, False),
                                           ("e2e_fp16", "end_to_end", True, False),
                                           ("e2e_fp32_dynamic", "end_to_end", False, True)]:
-            path = out / f"retinanet_{name}.onnx"
-            if not path.exists():
-                start = time.perf_counter()
-                exporter.export(model, contract, path, size_hw=size_hw, batch_size=batch, dynamic_batch=dynamic,
-                                fp16=fp16)
-                log(f"exported {path.name} in {time.perf_counter() - start:.1f} s")
-            files[name] = path
+        path = out / f"retinanet_{name}.onnx"
+        if not path.exists():
+            start = time.perf_counter()
+            exporter.export(model, contract, path, size_hw=size_hw, batch_size=batch, dynamic_batch=dynamic,
+                            fp16=fp16)
+            log(f"exported {path.name} in {time.perf_counter() - start:.1f} s")
+        files[name] = path
     return model, files
 
 
 def model_only(files: dict[str, Path], model: torch.nn.Module, batch: int, size_hw, iterations: int, log) -> dict:
     results = {}
     x16 = torch.randn(batch, 3, *size_hw, device=DEVICE).half()
-    variants = [("ort heads fp32 NCHW", "heads_fp32", False, False), ("ort heads fp16 NCHW", "heads_fp16", False, False),
-                ("ort heads fp16 NHWC", "heads_fp16", True, False),
+    variants = [("ort heads fp32 NCHW", "heads_fp32", False, False),
+                ("ort heads fp16 NCHW", "heads_fp16", False, False), ("ort heads fp16 NHWC", "heads_fp16", True, False),
                 ("ort heads fp16 NHWC cuda graph", "heads_fp16", True, True),
                 ("ort e2e fp16 NHWC score>0.05", "e2e_fp16", True, False)]
+    def measure(engine: Engine) -> dict:
+        x = x16 if engine.image_input.dtype == "float16" else x16.float()
+        return summary(timed(lambda: engine.run(x), iterations=iterations), batch)
+
     for label, name, nhwc, graph in variants:
-        engine = None
         try:
-            engine = ort_engine(files[name], nhwc=nhwc, cuda_graph=graph)
-            x = x16 if engine.image_input.dtype == "float16" else x16.float()
-            results[label] = summary(timed(lambda: engine.run(x), iterations=iterations), batch)
+            results[label] = measure(ort_engine(files[name], nhwc=nhwc, cuda_graph=graph))
         except Exception as e:  # a variant ORT refuses is reported, not fatal
             results[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         log(f"{label}: {results[label]}")
-        del engine
-    engine = ort_engine(files["e2e_fp16"], nhwc=True, score_threshold=0.0)
-    results["ort e2e fp16 NHWC score>0"] = summary(timed(lambda: engine.run(x16), iterations=iterations), batch)
+    results["ort e2e fp16 NHWC score>0"] = measure(ort_engine(files["e2e_fp16"], nhwc=True, score_threshold=0.0))
     log(f"ort e2e score>0: {results['ort e2e fp16 NHWC score>0']}")
-    del engine
 
     heads = exporter.Heads(model).to(DEVICE).half().eval().to(memory_format=torch.channels_last)
     xcl = x16.contiguous(memory_format=torch.channels_last)
@@ -212,8 +212,7 @@ def pytorch_pipeline(paths: list[str], model: torch.nn.Module, batch: int, size_
     rate = done / (time.perf_counter() - start)
     model.float().cpu()
     log(f"pytorch pipeline ({workers} workers): {rate:.1f} img/s")
-    return {"pytorch pipeline (DataLoader + eager fp16 + torchvision postprocess)": {
-        "images_per_s": round(rate, 1), "workers": workers}}
+    return {PYTORCH: {"images_per_s": round(rate, 1), "workers": workers}}
 
 
 def gpudet_runs(list_file: str, files: dict[str, Path], batch: int, log) -> dict:
@@ -234,7 +233,7 @@ def gpudet_runs(list_file: str, files: dict[str, Path], batch: int, log) -> dict
                                   "run.prefer_nhwc=false"])
     detector = Detector(config)
     rate = naive_images_per_s(refs[:64], detector)
-    results["naive (PIL + numpy + session.run, fp32)"] = {"images_per_s": round(rate, 2)}
+    results[NAIVE] = {"images_per_s": round(rate, 2)}
     log(f"naive: {rate:.2f} img/s")
     return results
 
@@ -281,9 +280,8 @@ def main() -> None:
     ratios = {}
     pairs = {"ort heads fp16 NHWC / torch eager": ("ort heads fp16 NHWC", "torch eager fp16 channels_last"),
              "gpudet heads / ort heads fp16 NHWC": ("gpudet heads_fp16", "ort heads fp16 NHWC"),
-             "gpudet heads / pytorch pipeline": ("gpudet heads_fp16",
-                                                 "pytorch pipeline (DataLoader + eager fp16 + torchvision postprocess)"),
-             "gpudet heads / naive": ("gpudet heads_fp16", "naive (PIL + numpy + session.run, fp32)"),
+             "gpudet heads / pytorch pipeline": ("gpudet heads_fp16", PYTORCH),
+             "gpudet heads / naive": ("gpudet heads_fp16", NAIVE),
              "gpudet e2e / ort e2e score>0.05": ("gpudet e2e_fp16", "ort e2e fp16 NHWC score>0.05")}
     for name, (top, bottom) in pairs.items():
         if rate(top) and rate(bottom):

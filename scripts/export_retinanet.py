@@ -52,10 +52,10 @@ except ImportError as e:  # the exporter's one extra need; the pipeline never im
              "    pip install torch==2.14.1 torchvision==0.29.1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pipeline.postprocess import RetinaNetHeads  # noqa: E402
+from pipeline.postprocess import RETINANET_METADATA, RetinaNetHeads  # noqa: E402
 
-ARCHITECTURES = {"retinanet_resnet50_fpn": retinanet_resnet50_fpn, "retinanet_resnet50_fpn_v2": retinanet_resnet50_fpn_v2}
-METADATA_KEY = "gpudet.retinanet"
+ARCHITECTURES = {"retinanet_resnet50_fpn": retinanet_resnet50_fpn,
+                 "retinanet_resnet50_fpn_v2": retinanet_resnet50_fpn_v2}
 
 
 def build_model(arch: str, checkpoint: Path | None, num_classes: int, seed: int) -> nn.Module:
@@ -240,7 +240,7 @@ def export(model: nn.Module, contract: str, out: Path, *, size_hw: tuple[int, in
                           dynamic_axes=dynamic, dynamo=False, do_constant_folding=True)
     proto = onnx.load(str(out))
     entry = proto.metadata_props.add()
-    entry.key, entry.value = METADATA_KEY, json.dumps({**layout, "contract": contract})
+    entry.key, entry.value = RETINANET_METADATA, json.dumps({**layout, "contract": contract})
     proto.producer_name = f"gpudet scripts/export_retinanet.py (torchvision {torchvision.__version__})"
     onnx.checker.check_model(proto)
     onnx.save(proto, str(out))

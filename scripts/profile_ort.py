@@ -34,7 +34,8 @@ def main() -> None:
     options.enable_profiling = True
     options.profile_file_prefix = "/tmp/ort_profile"
     cuda = {"prefer_nhwc": "1"} if a.nhwc else {}
-    session = ort.InferenceSession(a.model, options, providers=[("CUDAExecutionProvider", cuda), "CPUExecutionProvider"])
+    session = ort.InferenceSession(a.model, options,
+                                   providers=[("CUDAExecutionProvider", cuda), "CPUExecutionProvider"])
     binding = session.io_binding()
     keep = []
     for spec in session.get_inputs():
