@@ -7,7 +7,8 @@
     preprocess   DALI alone on the same images
 
 Each measurement is warmed up first and counts images/s over the whole set (model: over
-repeated batches). Ratios are computed here, from this run; the report records hardware,
+repeated batches); for gpudet also the seconds the loop waited on each stage and, on a GPU, the
+mean GPU utilisation (nvidia-smi) while it ran. Ratios are computed here, from this run; the report records hardware,
 versions, date and the exact command. `--latency N` adds batch-1 latency (p50/p99, file to
 detections). The torch-eager and DataLoader baselines need torchvision's RetinaNet; they are in
 scripts/bench_retinanet.py.
@@ -19,6 +20,8 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
+import subprocess
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -27,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import Config
-from .detector import Detector, engine_args
+from .detector import Detector, StageClock, engine_args
 from .engine import SCALAR_INPUTS
 from .sinks import JsonlWriter, detection_records
 from .source import EncodedImage, ImageRef, list_images, read_checked
@@ -69,16 +72,44 @@ def naive_images_per_s(refs: list[ImageRef], detector: Detector) -> float:
     return len(refs) / (time.perf_counter() - start)
 
 
-def gpudet_images_per_s(refs: list[ImageRef], detector: Detector) -> float:
-    """The pipeline as `gpudet detect` runs it: read, DALI, ORT, postprocess, JSONL records."""
+class GpuUtilisation:
+    """nvidia-smi's utilization.gpu of one GPU, sampled every 200 ms while in the `with` block
+    (the share of time a kernel was running). mean is None without a GPU or nvidia-smi."""
+
+    def __init__(self, index: int | None):
+        self.index, self.mean, self._process = index, None, None
+
+    def __enter__(self) -> GpuUtilisation:
+        if self.index is not None and shutil.which("nvidia-smi"):
+            self._process = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-i", str(self.index),
+                 "-lms", "200"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._process is None:
+            return
+        self._process.terminate()
+        out, _ = self._process.communicate()
+        samples = [int(v) for v in out.split() if v.isdigit()]
+        self.mean = round(sum(samples) / len(samples), 1) if samples else None
+
+
+def gpudet_images_per_s(refs: list[ImageRef], detector: Detector) -> tuple[float, dict]:
+    """The pipeline as `gpudet detect` runs it: read, DALI, ORT, postprocess, JSONL records.
+    Returns images/s and {stage: seconds the loop waited on it, gpu_utilisation_percent}."""
     labels = detector.config.model.labels
+    clock = StageClock()
     with tempfile.TemporaryDirectory() as tmp:
         list(detector.stream(refs[:detector.config.run.batch_size], lambda errors: None))  # warm-up
-        start = time.perf_counter()
-        with JsonlWriter(Path(tmp) / "detections.jsonl") as out:
-            for batch, found in detector.stream(refs, lambda errors: None):
-                out.append(detection_records(batch, found, labels))
-        return len(refs) / (time.perf_counter() - start)
+        with GpuUtilisation(detector.device.index if detector.device.is_cuda else None) as gpu:
+            start = time.perf_counter()
+            with JsonlWriter(Path(tmp) / "detections.jsonl") as out:
+                for batch, found in detector.stream(refs, lambda errors: None, clock=clock):
+                    with clock("write"):
+                        out.append(detection_records(batch, found, labels))
+            rate = len(refs) / (time.perf_counter() - start)
+    return rate, {**{k: round(v, 4) for k, v in clock.seconds.items()}, "gpu_utilisation_percent": gpu.mean}
 
 
 def model_images_per_s(items: list[EncodedImage], detector: Detector, iterations: int) -> float:
@@ -140,8 +171,9 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
     detector = Detector(config)
     config = detector.config  # a model with a static batch size has set run.batch_size
     items = [i for i in map(read_checked, refs[:config.run.batch_size]) if isinstance(i, EncodedImage)]
+    gpudet_rate, stages = gpudet_images_per_s(refs, detector)
     rates = {
-        "gpudet": gpudet_images_per_s(refs, detector),
+        "gpudet": gpudet_rate,
         "model": model_images_per_s(items, detector, iterations),
         "preprocess": preprocess_images_per_s(items, detector, iterations),
     }
@@ -159,7 +191,7 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
         **({"latency_batch_1": report_latency} if report_latency else {}), **({"skipped": skipped} if skipped else {}),
         "images": len(refs), "batch_size": config.run.batch_size, "device": detector.device.describe(),
         "model": str(detector.model_path), "contract": detector.contract,
-        "images_per_s": {k: round(v, 2) for k, v in rates.items()},
+        "images_per_s": {k: round(v, 2) for k, v in rates.items()}, "gpudet_stages_s": stages,
         "ratios": {k: round(v, 3) for k, v in ratios.items()},
         "machine": machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command,
@@ -173,6 +205,10 @@ def format_report(report: dict) -> str:
     for name, rate in report["images_per_s"].items():
         lines.append(f"  {name:<12} {rate:>10.1f}")
     lines += [f"  {name:<16} {value:.2f}x" for name, value in report["ratios"].items()]
+    stages = dict(report["gpudet_stages_s"])
+    gpu = stages.pop("gpu_utilisation_percent")
+    lines.append("  gpudet stages (s the loop waited): " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()) +
+                 (f"; GPU busy {gpu:.0f}%" if gpu is not None else ""))
     lines += [f"  {name}: skipped, {why}" for name, why in report.get("skipped", {}).items()]
     if "latency_batch_1" in report:
         lat = report["latency_batch_1"]

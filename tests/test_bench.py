@@ -19,7 +19,10 @@ def test_bench_reports_rates_ratios_and_the_machine(tmp_path, capsys):
     assert report["images"] == 6 and report["machine"]["cores"] >= 1 and report["date"]
     assert report["command"] == (f"gpudet bench {SAMPLES} --device cpu --batch-size 4 --limit 6 --iterations 1 "
                                  f"--latency 5 --json {report_path}")
+    stages = report["gpudet_stages_s"]
+    assert {"read", "preprocess", "engine", "postprocess", "write"} <= set(stages) and stages["engine"] > 0
+    assert stages["gpu_utilisation_percent"] is None  # on the CPU
     latency = report["latency_batch_1"]
     assert latency["images"] == 5 and 0 < latency["p50_ms"] <= latency["p99_ms"]
     out = capsys.readouterr().out
-    assert "gpudet / naive" in out and "latency, batch 1, 5 images: p50" in out
+    assert "gpudet / naive" in out and "latency, batch 1, 5 images: p50" in out and "gpudet stages" in out
