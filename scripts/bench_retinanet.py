@@ -84,15 +84,16 @@ def ort_engine(path: Path, *, nhwc: bool, cuda_graph: bool = False, score_thresh
 def models(out: Path, batch: int, size_hw: tuple[int, int], log) -> tuple[torch.nn.Module, dict[str, Path]]:
     model = exporter.build_model("retinanet_resnet50_fpn", None, 91, 0)
     files = {}
-    for name, contract, fp16, dynamic in [("heads_fp16", "retinanet_heads", True, False),
-                                          ("heads_fp32", "retinanet_heads", False, False),
-                                          ("e2e_fp16", "end_to_end", True, False),
-                                          ("e2e_fp32_dynamic", "end_to_end", False, True)]:
+    for name, contract, fp16, dynamic, stem in [("heads_fp16", "retinanet_heads", True, False, 3),
+                                                ("heads_fp16_stem8", "retinanet_heads", True, False, 8),
+                                                ("heads_fp32", "retinanet_heads", False, False, 3),
+                                                ("e2e_fp16", "end_to_end", True, False, 3),
+                                                ("e2e_fp32_dynamic", "end_to_end", False, True, 3)]:
         path = out / f"retinanet_{name}.onnx"
         if not path.exists():
             start = time.perf_counter()
             exporter.export(model, contract, path, size_hw=size_hw, batch_size=batch, dynamic_batch=dynamic,
-                            fp16=fp16)
+                            fp16=fp16, stem_channels=stem)
             log(f"exported {path.name} in {time.perf_counter() - start:.1f} s")
         files[name] = path
     return model, files
@@ -104,6 +105,7 @@ def model_only(files: dict[str, Path], model: torch.nn.Module, batch: int, size_
     variants = [("ort heads fp32 NCHW", "heads_fp32", False, False),
                 ("ort heads fp16 NCHW", "heads_fp16", False, False), ("ort heads fp16 NHWC", "heads_fp16", True, False),
                 ("ort heads fp16 NHWC cuda graph", "heads_fp16", True, True),
+                ("ort heads fp16 NHWC, stem padded to 8 channels", "heads_fp16_stem8", True, False),
                 ("ort e2e fp16 NHWC score>0.05", "e2e_fp16", True, False)]
     def measure(engine: Engine) -> dict:
         x = x16 if engine.image_input.dtype == "float16" else x16.float()

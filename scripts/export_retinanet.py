@@ -86,6 +86,27 @@ class Heads(nn.Module):
         return out["cls_logits"], out["bbox_regression"]
 
 
+class PaddedStem(nn.Module):
+    """The stem convolution on the image zero-padded from 3 to `channels` channels, with zero
+    weights for the added ones: the same numbers, but a channel count that tensor-core NHWC fp16
+    kernels take directly. An experiment (`--stem-channels 8`): whether ORT's stem is slow on 3
+    channels is a lead from its profiler, not yet measured (docs/BENCHMARKS.md)."""
+
+    def __init__(self, conv: nn.Conv2d, channels: int):
+        super().__init__()
+        self.extra = channels - conv.in_channels
+        self.conv = nn.Conv2d(channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                              bias=conv.bias is not None)
+        with torch.no_grad():
+            self.conv.weight.zero_()
+            self.conv.weight[:, :conv.in_channels] = conv.weight
+            if conv.bias is not None:
+                self.conv.bias.copy_(conv.bias)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.conv(nn.functional.pad(images, (0, 0, 0, 0, 0, self.extra)))
+
+
 def anchor_layout(model: nn.Module, size_hw: tuple[int, int]) -> dict:
     """What gpudet needs to rebuild torchvision's anchors on the device: per level the feature grid,
     the integer stride torchvision uses (input size // grid, so 61 and 114 px for P6/P7 at 800),
@@ -208,9 +229,11 @@ def torchvision_detections(model: nn.Module, images: torch.Tensor, *, score_thre
 
 
 def export(model: nn.Module, contract: str, out: Path, *, size_hw: tuple[int, int], batch_size: int,
-           dynamic_batch: bool, fp16: bool, opset: int = 17, device: str | None = None) -> None:
+           dynamic_batch: bool, fp16: bool, opset: int = 17, device: str | None = None,
+           stem_channels: int = 3) -> None:
     """Write `model` (left unchanged) as an ONNX file of `contract`. The trace runs on `device`
-    (default: the GPU when there is one; a batch of 16 at 800x800 is slow on a CPU)."""
+    (default: the GPU when there is one; a batch of 16 at 800x800 is slow on a CPU).
+    stem_channels > 3 pads the stem convolution's input (PaddedStem)."""
     import copy
 
     import onnx
@@ -218,6 +241,8 @@ def export(model: nn.Module, contract: str, out: Path, *, size_hw: tuple[int, in
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if fp16 else torch.float32
     model = copy.deepcopy(model).float().eval()
+    if stem_channels > 3:
+        model.backbone.body.conv1 = PaddedStem(model.backbone.body.conv1, stem_channels)
     layout = anchor_layout(model, size_hw)
     images = torch.zeros(batch_size, 3, *size_hw, dtype=dtype, device=device)
     dynamic = {"images": {0: "batch"}} if dynamic_batch else None
@@ -258,12 +283,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dynamic-batch", action="store_true", help="batch dimension symbolic instead")
     parser.add_argument("--fp16", action="store_true", help="backbone and heads in float16 (input too)")
     parser.add_argument("--seed", type=int, default=0, help="random initialisation seed (no --checkpoint)")
+    parser.add_argument("--stem-channels", type=int, default=3, choices=[3, 4, 8],
+                        help="zero-pad the stem convolution's input to this many channels (same results)")
     a = parser.parse_args(argv)
     if a.checkpoint is not None and not a.checkpoint.is_file():
         sys.exit(f"--checkpoint {a.checkpoint}: no such file")
     model = build_model(a.arch, a.checkpoint, a.num_classes, a.seed)
     export(model, a.contract, a.out, size_hw=tuple(a.size), batch_size=a.batch_size, dynamic_batch=a.dynamic_batch,
-           fp16=a.fp16)
+           fp16=a.fp16, stem_channels=a.stem_channels)
     print(f"wrote {a.out} ({a.out.stat().st_size / 1e6:.1f} MB): {a.arch}, {a.contract}, "
           f"{'float16' if a.fp16 else 'float32'}, batch {'dynamic' if a.dynamic_batch else a.batch_size}, "
           f"{a.size[0]}x{a.size[1]}, {'weights ' + str(a.checkpoint) if a.checkpoint else 'random weights'}")

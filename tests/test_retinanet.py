@@ -301,3 +301,16 @@ def test_gpudet_bench_on_a_static_batch_model(exported, tmp_path, capsys):
     assert "naive" not in report["images_per_s"] and "batches of exactly 4" in report["skipped"]["naive"]
     assert "fixed at 4" in report["latency_batch_1"]["skipped"]
     assert "naive: skipped" in capsys.readouterr().out
+
+
+def test_a_padded_stem_gives_the_same_outputs(model, tmp_path):
+    """--stem-channels 8 (an NHWC fp16 experiment) changes the graph, not the numbers."""
+    images = torch.randn(1, 3, 256, 256, generator=torch.Generator().manual_seed(2))
+    outputs = []
+    for channels in (3, 8):
+        path = tmp_path / f"stem{channels}.onnx"
+        exporter.export(model, "retinanet_heads", path, size_hw=(256, 256), batch_size=1, dynamic_batch=False,
+                        fp16=False, device="cpu", stem_channels=channels)
+        outputs.append(Engine(path, device=Device("cpu"), scalars={}).run(images))
+    for name in ("cls_logits", "bbox_regression"):
+        torch.testing.assert_close(outputs[1][name], outputs[0][name], atol=1e-4, rtol=1e-4)
