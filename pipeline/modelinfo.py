@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -11,7 +12,7 @@ import onnxruntime as ort
 
 from .device import _cuda_problem
 from .engine import ModelError, TensorSpec, check_external_data, find_image_input
-from .postprocess import detect_contract
+from .postprocess import RETINANET_METADATA, detect_contract
 
 
 def declared_io(model_path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -69,6 +70,12 @@ def inspect_model(path: str | Path, *, size_hw: tuple[int, int] | None = (640, 6
                                "size_hw": image.size_hw or "any (preprocess.size)"}
     except ModelError as e:
         info["image_input"] = f"none: {e}"
+    layout = next((p.value for p in model.metadata_props if p.key == RETINANET_METADATA), None)
+    if layout is not None:
+        layout = json.loads(layout)
+        info["retinanet"] = {"grids": layout["grids"], "strides": layout["strides"],
+                             "anchors_per_cell": len(layout["cell_anchors"][0]),
+                             "classes": layout["num_classes"], "topk_per_level": layout["topk_candidates"]}
     try:
         info["contract"] = detect_contract(outputs, "auto", path)
     except ModelError as e:
@@ -87,6 +94,10 @@ def format_info(info: dict) -> str:
     lines += [f"input      {s}" for s in info["inputs"]] + [f"output     {s}" for s in info["outputs"]]
     lines.append(f"image      {info['image_input']}")
     lines.append(f"contract   {info['contract']}")
+    if "retinanet" in info:
+        r = info["retinanet"]
+        lines.append(f"anchors    {len(r['grids'])} levels, grids {r['grids']}, strides {r['strides']}, "
+                     f"{r['anchors_per_cell']} per cell; {r['classes']} classes; top {r['topk_per_level']} per level")
     memcpy = info["cuda_memcpy_nodes"]
     lines.append(f"memcpy     {memcpy}" if isinstance(memcpy, str) else
                  f"memcpy     {len(memcpy)} on the CUDA EP" + "".join(f"\n             {m}" for m in memcpy))

@@ -314,3 +314,14 @@ def test_a_padded_stem_gives_the_same_outputs(model, tmp_path):
         outputs.append(Engine(path, device=Device("cpu"), scalars={}).run(images))
     for name in ("cls_logits", "bbox_regression"):
         torch.testing.assert_close(outputs[1][name], outputs[0][name], atol=1e-4, rtol=1e-4)
+
+
+def test_inspect_shows_the_contract_and_anchor_layout(exported, capsys):
+    from pipeline.cli import main
+
+    assert main(["inspect", str(exported["retinanet_heads"])]) == 0
+    text = capsys.readouterr().out
+    assert "contract   retinanet_heads" in text and "output     cls_logits float [4, 49104, 91]" in text
+    assert "anchors    5 levels, grids [[64, 64], [32, 32], [16, 16], [8, 8], [4, 4]]" in text
+    assert main(["inspect", str(exported["end_to_end"])]) == 0
+    assert "contract   end_to_end" in capsys.readouterr().out
