@@ -69,29 +69,38 @@ def top_nms(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor, va
     [B, prefix, prefix] instead of [B, K, K] (K = 5,000 for RetinaNet: 25x less work).
 
     Arguments as batched_nms (sorted by score, valid a prefix of each row). Returns keep [B, K]
-    bool (at most max_kept per image) and complete: bool tensor [] on the device, False when some
-    image needs the candidates after the prefix (or NMS did not converge); then call exact_nms.
+    bool (at most max_kept per image) and settled [B] bool on the device: False for an image that
+    needs the candidates after the prefix (or when NMS did not converge); give those to exact_nms.
     """
     k = boxes.shape[1]
     m = min(prefix, k)
     head, converged = batched_nms(boxes[:, :m], scores[:, :m], classes[:, :m], valid[:, :m],
                                   iou_threshold=iou_threshold, max_iterations=max_iterations)
     head &= torch.cumsum(head, dim=1) <= max_kept  # best first, so this caps per image
-    settled = (head.sum(dim=1) >= max_kept) | ~valid[:, m:].any(dim=1)
+    settled = converged & ((head.sum(dim=1) >= max_kept) | ~valid[:, m:].any(dim=1))
     keep = torch.cat([head, torch.zeros_like(valid[:, m:])], dim=1)
-    return keep, converged & settled.all()
+    return keep, settled
 
 
 def exact_nms(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor, *,
-              iou_threshold: float, max_kept: int, check_every: int = 8) -> torch.Tensor:
-    """top_nms's slow path, exact whatever the data: image by image over all valid candidates,
-    iterating to the fixed point with a host check every `check_every` steps (it syncs; top_nms
-    does not)."""
-    keep = torch.zeros_like(valid)
-    for b, count in enumerate(valid.sum(dim=1).tolist()):
-        if count:
-            found, _ = batched_nms(boxes[b:b + 1, :count], scores[b:b + 1, :count], classes[b:b + 1, :count],
-                                   valid[b:b + 1, :count], iou_threshold=iou_threshold, max_iterations=count,
+              iou_threshold: float, max_kept: int, images: list[int] | None = None, keep: torch.Tensor | None = None,
+              first_prefix: int = 2048, check_every: int = 8) -> torch.Tensor:
+    """top_nms's slow path, exact whatever the data, for `images` (default all; the other rows of
+    `keep` are kept): image by image, on a prefix of the candidates that doubles until it
+    settles the image, iterating to the fixed point with a host check every `check_every` steps.
+    It syncs with the host; top_nms does not."""
+    keep = torch.zeros_like(valid) if keep is None else keep.clone()
+    counts = valid.sum(dim=1).tolist()
+    for b in range(len(valid)) if images is None else images:
+        keep[b] = False
+        count, m = counts[b], min(first_prefix, counts[b])
+        while m:
+            found, _ = batched_nms(boxes[b:b + 1, :m], scores[b:b + 1, :m], classes[b:b + 1, :m],
+                                   valid[b:b + 1, :m], iou_threshold=iou_threshold, max_iterations=m,
                                    sync_every=check_every)
-            keep[b, :count] = found[0] & (torch.cumsum(found[0], dim=0) <= max_kept)
+            found = found[0] & (torch.cumsum(found[0], dim=0) <= max_kept)
+            if m == count or int(found.sum()) >= max_kept:
+                keep[b, :m] = found
+                break
+            m = min(2 * m, count)
     return keep

@@ -328,13 +328,13 @@ class RetinaNetHeads:
     def kept(self, logits: torch.Tensor, regression: torch.Tensor, num_images: torch.Tensor, *,
              score_threshold: float, iou_threshold: float, max_detections: int):
         """The static-shape part: candidates and top_nms's kept mask; num_images: [] int64 tensor.
-        Returns (scores, labels, boxes, valid, keep, complete), all on the device."""
+        Returns (scores, labels, boxes, valid, keep, settled), all on the device."""
         scores, labels, boxes = self.candidates(logits, regression)
         valid = scores > score_threshold  # torchvision keeps score > threshold
         valid &= torch.arange(len(valid), device=valid.device)[:, None] < num_images
-        keep, complete = top_nms(boxes, scores, labels, valid, iou_threshold=iou_threshold, max_kept=max_detections,
-                                 prefix=self.nms_prefix)
-        return scores, labels, boxes, valid, keep, complete
+        keep, settled = top_nms(boxes, scores, labels, valid, iou_threshold=iou_threshold, max_kept=max_detections,
+                                prefix=self.nms_prefix)
+        return scores, labels, boxes, valid, keep, settled
 
     def _replayed(self, logits: torch.Tensor, regression: torch.Tensor, num_images: int, **thresholds):
         """kept(), from a CUDA graph captured for these buffers (the engine's, reused every batch).
@@ -365,16 +365,18 @@ class RetinaNetHeads:
         thresholds = dict(score_threshold=score_threshold, iou_threshold=iou_threshold, max_detections=max_detections)
         if self.cuda_graphs:
             try:
-                scores, labels, boxes, valid, keep, complete = self._replayed(logits, regression, num_images,
-                                                                              **thresholds)
+                scores, labels, boxes, valid, keep, settled = self._replayed(logits, regression, num_images,
+                                                                             **thresholds)
             except RuntimeError as e:  # a capture this torch/driver refuses: run the kernels one by one
                 log.warning("RetinaNet postprocess: CUDA graph capture failed, running without (%s)", e)
                 self.cuda_graphs = False
         if not self.cuda_graphs:
             count = torch.tensor(num_images, device=logits.device)
-            scores, labels, boxes, valid, keep, complete = self.kept(logits, regression, count, **thresholds)
-        if not complete:  # one host check; the nonzero below syncs anyway
-            keep = exact_nms(boxes, scores, labels, valid, iou_threshold=iou_threshold, max_kept=max_detections)
+            scores, labels, boxes, valid, keep, settled = self.kept(logits, regression, count, **thresholds)
+        if not settled.all():  # one host check; the nonzero below syncs anyway
+            unsettled = (~settled).nonzero()[:, 0].tolist()
+            keep = exact_nms(boxes, scores, labels, valid, iou_threshold=iou_threshold, max_kept=max_detections,
+                             images=unsettled, keep=keep)
         image, slot = keep.nonzero(as_tuple=True)  # rows by image, then score
         return DeviceDetections(batch_index=image, boxes_xyxy=to_original(boxes[image, slot].reshape(-1, 2, 2), image,
                                                                           meta).reshape(-1, 4),

@@ -78,9 +78,10 @@ def test_box_iou():
 
 @cpu_and_cuda()
 @pytest.mark.parametrize("prefix", [16, 64, 1024])
-def test_top_nms_keeps_the_best_of_greedy_and_says_when_the_prefix_was_not_enough(device, prefix):
-    """top_nms looks at the first `prefix` candidates only; where that cannot settle an image it
-    says so (complete False), and exact_nms gives the full answer. Both match the textbook."""
+def test_top_nms_keeps_the_best_of_greedy_and_says_which_images_the_prefix_did_not_settle(device, prefix):
+    """top_nms looks at the first `prefix` candidates only and says per image whether that
+    settled it; exact_nms finishes the others (prefix doubling from first_prefix). All match the
+    textbook greedy NMS capped at max_kept."""
     rng = np.random.default_rng(prefix)
     batch, k, max_kept = 3, 300, 40
     boxes = np.stack([random_boxes(rng, k) for _ in range(batch)])
@@ -90,20 +91,21 @@ def test_top_nms_keeps_the_best_of_greedy_and_says_when_the_prefix_was_not_enoug
     valid[2] = False  # an image with no candidate
     t = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
     args = (t(boxes), t(scores), t(classes), t(valid))
-    keep, complete = top_nms(*args, iou_threshold=0.4, max_kept=max_kept, prefix=prefix)
-    exact = exact_nms(*args, iou_threshold=0.4, max_kept=max_kept)
+    expected = np.zeros((batch, k), bool)
     for b in range(batch):
-        expected = np.zeros(k, bool)
-        expected[valid[b]] = greedy_nms(boxes[b][valid[b]], scores[b][valid[b]], classes[b][valid[b]], 0.4)
-        expected &= np.cumsum(expected) <= max_kept
-        assert exact[b].cpu().numpy().tolist() == expected.tolist()
-        if bool(complete):
-            assert keep[b].cpu().numpy().tolist() == expected.tolist()
-    settled_by_prefix = all(expected_count_in(exact[b], prefix) >= max_kept or not valid[b, prefix:].any()
-                            for b in range(batch))
-    assert bool(complete) == settled_by_prefix
-    assert bool(complete) == (prefix >= 64)  # 16 candidates cannot hold 40 kept boxes; 64 do here
-
-
-def expected_count_in(keep: torch.Tensor, prefix: int) -> int:
-    return int(keep[:prefix].sum())
+        expected[b, valid[b]] = greedy_nms(boxes[b][valid[b]], scores[b][valid[b]], classes[b][valid[b]], 0.4)
+        expected[b] &= np.cumsum(expected[b]) <= max_kept
+    keep, settled = top_nms(*args, iou_threshold=0.4, max_kept=max_kept, prefix=prefix)
+    settled = settled.cpu().numpy()
+    for b in range(batch):
+        by_prefix = expected[b, :prefix].sum() >= max_kept or not valid[b, prefix:].any()
+        assert settled[b] == by_prefix
+        if settled[b]:
+            assert keep[b].cpu().numpy().tolist() == expected[b].tolist()
+    assert settled.tolist() == [prefix >= 64, prefix >= 64, True]  # 16 candidates cannot hold 40 kept boxes
+    finished = exact_nms(*args, iou_threshold=0.4, max_kept=max_kept, images=np.flatnonzero(~settled).tolist(),
+                         keep=keep)
+    assert finished.cpu().numpy().tolist() == expected.tolist()
+    for first_prefix in (8, 2048):  # doubling from a small prefix, or all candidates at once
+        exact = exact_nms(*args, iou_threshold=0.4, max_kept=max_kept, first_prefix=first_prefix)
+        assert exact.cpu().numpy().tolist() == expected.tolist()

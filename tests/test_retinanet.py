@@ -267,7 +267,8 @@ def test_heads_buffers_are_reused_and_postprocess_copies_only_the_final_detectio
     final_bytes = len(found.scores) * (3 + 4) * 4
     heads_bytes = BATCH * 49104 * (91 + 4) * 4
     print(f"retinanet_heads: {len(found.scores)} detections, final rows {final_bytes} B, D2H copies {copies}")
-    assert sorted(copies)[-1] == final_bytes and sum(copies) <= final_bytes + 64
+    others = sorted(copies)[:-1]  # counts and flags: the kept count, which images exact_nms finishes, ...
+    assert sorted(copies)[-1] == final_bytes and max(others, default=0) <= 64 and sum(others) <= 1024
     assert sum(copies) < heads_bytes / 1000
 
 
