@@ -94,3 +94,22 @@ def test_ssd_heads_contract_is_recognised(tmp_path):
     assert detect_contract(heads, "auto", tmp_path / "m.onnx") == "ssd_heads"
     with pytest.raises(ModelError, match="end_to_end"):
         detect_contract(heads, "end_to_end", tmp_path / "m.onnx")
+
+
+@cpu_and_cuda()
+def test_graph_cache_replays_on_what_the_buffers_hold_now(device):
+    """One capture per buffer; every replay computes from the buffer's current contents and the
+    current image count (the engine overwrites its output buffers every batch)."""
+    from pipeline.postprocess import GraphCache
+
+    cache = GraphCache(torch.device(device))
+    buffer = torch.zeros(4, 8, device=device)
+
+    def fn(x, num_images, *, scale):
+        return x * scale * (torch.arange(len(x), device=x.device)[:, None] < num_images)
+
+    for step, num_images in enumerate((4, 3, 1)):
+        buffer.copy_(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(device))
+        out = cache(fn, (buffer,), num_images, scale=2.0)
+        torch.testing.assert_close(out, fn(buffer, torch.tensor(num_images, device=device), scale=2.0))
+    assert cache.enabled == (device == "cuda") and len(cache._graphs) == (1 if device == "cuda" else 0)
