@@ -15,7 +15,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,6 +188,16 @@ def infer(engine: Engine, batch: PreprocessedBatch, *, chunk: int, postprocess, 
     return lambda: found
 
 
+def done_now(fn: Callable[[], object]) -> Future:
+    """fn() run here, as a finished Future (what the postprocess thread gives on a GPU)."""
+    future: Future = Future()
+    try:
+        future.set_result(fn())
+    except Exception as e:  # re-raised where the result is taken, in order, like the thread's
+        future.set_exception(e)
+    return future
+
+
 def out_of_memory(device: Device, chunk: int, batch_size: int, error: Exception,
                   fixed: bool = False) -> GpuOutOfMemory:
     lower = "export the model with a smaller batch (its batch size is fixed)" if fixed else \
@@ -320,16 +330,18 @@ class Detector:
             with clock("postprocess"):  # waits for the postprocess thread
                 return batch, future.result()
 
-        # The engine runs batch i+1 into one set of output buffers while a thread postprocesses
-        # batch i from the other set (ORT and torch's kernels release the GIL); batch i is yielded,
-        # and written by the caller, after that.
+        # On a GPU the engine runs batch i+1 into one set of output buffers while a thread
+        # postprocesses batch i from the other set (ORT and torch's kernels release the GIL);
+        # batch i is yielded, and written by the caller, after that. On the CPU the postprocess
+        # runs inline: ORT's threads already use every core.
         pending: deque[tuple[PreprocessedBatch, Future]] = deque()
-        with ThreadPoolExecutor(1, thread_name_prefix="gpudet-postprocess") as post_thread:
+        overlap = ThreadPoolExecutor(1, thread_name_prefix="gpudet-postprocess") if self.device.is_cuda else None
+        with overlap or nullcontext():
             # source: bytes read ahead on threads, cheap checks -> preprocess: DALI, 2 batches in flight
             batches = clock.timed(preprocess_stream(self.preprocessor, checked_batches(), on_error), "preprocess")
             for i, batch in enumerate(batches):
                 finish = self._infer(batch, postprocess, clock, slot=i % 2)  # engine: outputs stay on the device
-                pending.append((batch, post_thread.submit(finish)))  # postprocess, on the device
+                pending.append((batch, overlap.submit(finish) if overlap else done_now(finish)))  # postprocess
                 if len(pending) == 2:
                     yield finished(*pending.popleft())
             while pending:
