@@ -296,6 +296,22 @@ class SsdHeads:
 RETINANET_METADATA = "gpudet.retinanet"
 
 
+def decode_box_deltas(deltas: torch.Tensor, anchors: torch.Tensor, weights: tuple[float, float, float, float],
+                      clip: float) -> torch.Tensor:
+    """torchvision's BoxCoder.decode_single on [..., 4] (any leading dims): deltas (dx, dy, dw, dh)
+    against anchors x1y1x2y2 -> boxes x1y1x2y2. dw, dh are clamped at `clip` (log(1000/16)).
+    Weights are Python floats, so the same code runs eagerly, in a CUDA graph and in an ONNX trace
+    (scripts/export_retinanet.py) on any device."""
+    widths, heights = anchors[..., 2] - anchors[..., 0], anchors[..., 3] - anchors[..., 1]
+    ctr_x, ctr_y = anchors[..., 0] + 0.5 * widths, anchors[..., 1] + 0.5 * heights
+    wx, wy, ww, wh = weights
+    dx, dy = deltas[..., 0] / wx, deltas[..., 1] / wy
+    dw, dh = (deltas[..., 2] / ww).clamp(max=clip), (deltas[..., 3] / wh).clamp(max=clip)
+    pred_ctr_x, pred_ctr_y = dx * widths + ctr_x, dy * heights + ctr_y
+    half_w, half_h = 0.5 * torch.exp(dw) * widths, 0.5 * torch.exp(dh) * heights
+    return torch.stack([pred_ctr_x - half_w, pred_ctr_y - half_h, pred_ctr_x + half_w, pred_ctr_y + half_h], dim=-1)
+
+
 class RetinaNetHeads:
     """Postprocess for torchvision-style RetinaNet heads, batched over the images on the device.
 
@@ -331,7 +347,7 @@ class RetinaNetHeads:
             cell = torch.tensor(cell, dtype=torch.float32, device=device)
             parts.append((shifts[:, None, :] + cell[None]).reshape(-1, 4))
         self.anchors = torch.cat(parts)  # [A, 4] x1y1x2y2, torchvision's AnchorGenerator order
-        self.box_weights = torch.tensor([float(w) for w in layout["box_weights"]], device=device)  # wx wy ww wh
+        self.box_weights = tuple(float(w) for w in layout["box_weights"])  # wx wy ww wh
         height, width = self.input_hw
         self.box_limits = torch.tensor([width, height, width, height], dtype=torch.float32, device=device)
         self.graphs = GraphCache(device)
@@ -371,18 +387,8 @@ class RetinaNetHeads:
         index = torch.cat(index, dim=1).gather(1, order)
         anchor, labels = index // num_classes, index % num_classes
         deltas = regression.gather(1, anchor[..., None].expand(-1, -1, 4)).float()
-        boxes = self.decode(deltas, self.anchors[anchor])
+        boxes = decode_box_deltas(deltas, self.anchors[anchor], self.box_weights, self.box_clip)
         return scores, labels, torch.minimum(boxes.clamp(min=0), self.box_limits)
-
-    def decode(self, deltas: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """torchvision's BoxCoder.decode_single on [..., 4]."""
-        size = anchors[..., 2:] - anchors[..., :2]
-        center = anchors[..., :2] + 0.5 * size
-        d_center = deltas[..., :2] / self.box_weights[:2]
-        d_size = (deltas[..., 2:] / self.box_weights[2:]).clamp(max=self.box_clip)
-        new_center = d_center * size + center
-        half = 0.5 * torch.exp(d_size) * size
-        return torch.cat([new_center - half, new_center + half], dim=-1)
 
     def kept(self, logits: torch.Tensor, regression: torch.Tensor, num_images: torch.Tensor, *,
              score_threshold: float, iou_threshold: float, max_detections: int):

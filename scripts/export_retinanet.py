@@ -52,7 +52,7 @@ except ImportError as e:  # the exporter's one extra need; the pipeline never im
              "    pip install torch==2.14.1 torchvision==0.29.1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pipeline.postprocess import RETINANET_METADATA, RetinaNetHeads  # noqa: E402
+from pipeline.postprocess import RETINANET_METADATA, RetinaNetHeads, decode_box_deltas  # noqa: E402
 
 ARCHITECTURES = {"retinanet_resnet50_fpn": retinanet_resnet50_fpn,
                  "retinanet_resnet50_fpn_v2": retinanet_resnet50_fpn_v2}
@@ -134,18 +134,6 @@ def reference_anchors(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
     return model.anchor_generator(ImageList(images[:1], [tuple(images.shape[-2:])]), features)[0]
 
 
-def decode(regression: torch.Tensor, anchors: torch.Tensor, weights: list[float], clip: float) -> torch.Tensor:
-    """torchvision's BoxCoder.decode_single, on [..., 4] (any leading dims)."""
-    widths, heights = anchors[..., 2] - anchors[..., 0], anchors[..., 3] - anchors[..., 1]
-    ctr_x, ctr_y = anchors[..., 0] + 0.5 * widths, anchors[..., 1] + 0.5 * heights
-    wx, wy, ww, wh = weights
-    dx, dy = regression[..., 0] / wx, regression[..., 1] / wy
-    dw, dh = (regression[..., 2] / ww).clamp(max=clip), (regression[..., 3] / wh).clamp(max=clip)
-    pred_ctr_x, pred_ctr_y = dx * widths + ctr_x, dy * heights + ctr_y
-    half_w, half_h = 0.5 * torch.exp(dw) * widths, 0.5 * torch.exp(dh) * heights
-    return torch.stack([pred_ctr_x - half_w, pred_ctr_y - half_h, pred_ctr_x + half_w, pred_ctr_y + half_h], dim=-1)
-
-
 class OnnxNms(torch.autograd.Function):
     """ONNX NonMaxSuppression over boxes [B, N, 4], scores [B, 1, N] -> selected [M, 3]
     (batch, class, box), best first per image. Eager forward (torchvision.ops.nms) for testing."""
@@ -176,7 +164,7 @@ class EndToEnd(nn.Module):
         anchors = RetinaNetHeads(layout=layout, device=torch.device("cpu"), cuda_graphs=False).anchors
         self.register_buffer("anchors", anchors, persistent=False)
         self.level_sizes = [g[0] * g[1] * len(c) for g, c in zip(layout["grids"], layout["cell_anchors"])]
-        self.topk, self.weights, self.clip = layout["topk_candidates"], layout["box_weights"], layout["box_clip"]
+        self.topk, self.weights, self.clip = layout["topk_candidates"], tuple(layout["box_weights"]), layout["box_clip"]
         self.size_hw = size_hw
 
     def forward(self, images, score_threshold, iou_threshold, max_detections):
@@ -194,7 +182,8 @@ class EndToEnd(nn.Module):
             anchor = best.gather(1, torch.div(index, num_classes, rounding_mode="floor"))
             index = anchor * num_classes + index % num_classes
             level_regression = regression[:, start:start + n].gather(1, anchor[..., None].expand(-1, -1, 4)).float()
-            boxes.append(decode(level_regression, self.anchors[start:start + n][anchor], self.weights, self.clip))
+            boxes.append(decode_box_deltas(level_regression, self.anchors[start:start + n][anchor], self.weights,
+                                           self.clip))
             scores.append(top.float().sigmoid())
             labels.append(index % num_classes)
             start += n
