@@ -8,8 +8,8 @@
 
 Each measurement is warmed up first and counts images/s over the whole set (model: over
 repeated batches); for gpudet also the seconds the loop waited on each stage and, on a GPU, the
-mean GPU utilisation (nvidia-smi) while it ran. Ratios are computed here, from this run; the report records hardware,
-versions, date and the exact command. `--latency N` adds batch-1 latency (p50/p99, file to
+mean GPU utilisation (nvidia-smi) while it ran. Ratios are computed here, from this run; the
+report records hardware, versions, date and the exact command. `--latency N` adds batch-1 latency (p50/p99, file to
 detections). The torch-eager and DataLoader baselines need torchvision's RetinaNet; they are in
 scripts/bench_retinanet.py.
 """
@@ -135,8 +135,6 @@ def latency_ms(refs: list[ImageRef], config: Config, count: int) -> dict:
     """One image at a time through a batch-1 detector: read, DALI, ORT, postprocess, detections on
     the host. Percentiles of the per-image wall time, after 3 warm-up images."""
     detector = Detector(dataclasses.replace(config, run=dataclasses.replace(config.run, batch_size=1)))
-    if detector.config.run.batch_size != 1:
-        return {"skipped": f"the model's batch size is fixed at {detector.config.run.batch_size}"}
     times = []
     for i, ref in enumerate((refs * (1 + (count + 3) // max(1, len(refs))))[:count + 3]):
         start = time.perf_counter()
@@ -177,16 +175,21 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
         "model": model_images_per_s(items, detector, iterations),
         "preprocess": preprocess_images_per_s(items, detector, iterations),
     }
+    # The naive loop and the latency mode run one image at a time: not with a fixed batch size.
+    fixed_batch = detector.engine.image_input.batch if detector.engine.image_input.batch not in (None, 1) else None
     skipped = {}
-    if detector.engine.image_input.batch not in (None, 1) and not skip_naive:
-        skipped["naive"] = (f"the model takes batches of exactly {detector.engine.image_input.batch}; the naive "
-                            "loop runs one image at a time: give it a model with a dynamic batch")
+    if fixed_batch and not skip_naive:
+        skipped["naive"] = (f"the model takes batches of exactly {fixed_batch}; the naive loop runs one image at "
+                            "a time: give it a model with a dynamic batch")
     elif not skip_naive:
         rates["naive"] = naive_images_per_s(refs, detector)
     ratios = {"gpudet / model": rates["gpudet"] / rates["model"]}
     if "naive" in rates:
         ratios["gpudet / naive"] = rates["gpudet"] / rates["naive"]
-    report_latency = latency_ms(refs, config, latency) if latency else None
+    report_latency = None
+    if latency:
+        report_latency = ({"skipped": f"the model's batch size is fixed at {fixed_batch}"} if fixed_batch
+                          else latency_ms(refs, config, latency))
     return {
         **({"latency_batch_1": report_latency} if report_latency else {}), **({"skipped": skipped} if skipped else {}),
         "images": len(refs), "batch_size": config.run.batch_size, "device": detector.device.describe(),
