@@ -261,7 +261,7 @@ class Detector:
             args = dict(input_hw=input_hw, score_threshold=p.score_threshold, iou_threshold=p.iou_threshold,
                         max_detections=p.max_detections, num_landmarks=self.num_landmarks, num_images=num_images)
             found, converged = self.ssd_heads(outputs, meta, **args)
-            if not converged:  # a suppression chain longer than the default bound: finish exactly
+            if not converged.all():  # a suppression chain longer than the default bound: finish exactly
                 found, _ = self.ssd_heads(outputs, meta, max_iterations=p.pre_nms_top_k, **args)
             return found
 

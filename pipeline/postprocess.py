@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .engine import ModelError, TensorSpec, describe_io
-from .nms import batched_nms, exact_nms, top_nms
+from .nms import NMS_STEPS, batched_nms, exact_nms, top_nms
 
 log = logging.getLogger("gpudet")
 
@@ -250,7 +250,7 @@ class SsdHeads:
              score_threshold: float, iou_threshold: float, max_detections: int, max_iterations: int):
         """The static-shape part: top-k, decode, NMS. num_images: [] int64 tensor. Returns scores
         [B, k], index [B, k] (anchors), boxes [B, k, 4] x1y1x2y2 input pixels, keep [B, k] (capped
-        at max_detections per image) and converged [], all on the device."""
+        at max_detections per image) and converged [B], all on the device."""
         anchors = self.anchors(*input_hw)
         scores_all = conf[..., 1].float()  # [B, A]
         scores, index = scores_all.topk(min(self.pre_nms_top_k, scores_all.shape[1]), dim=1)  # best first
@@ -269,12 +269,13 @@ class SsdHeads:
 
     def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, input_hw: tuple[int, int],
                  score_threshold: float, iou_threshold: float, max_detections: int, num_landmarks: int,
-                 num_images: int | None = None, max_iterations: int = 32) -> tuple[DeviceDetections, torch.Tensor]:
-        """Final detections on the device, and whether NMS converged within max_iterations."""
+                 num_images: int | None = None,
+                 max_iterations: int = NMS_STEPS) -> tuple[DeviceDetections, torch.Tensor]:
+        """Final detections on the device, and per image whether NMS converged within max_iterations."""
         options = dict(input_hw=tuple(input_hw), score_threshold=score_threshold, iou_threshold=iou_threshold,
                        max_detections=max_detections, max_iterations=max_iterations)
         num_images = len(outputs["loc"]) if num_images is None else num_images
-        if max_iterations > 32:  # the rare exact rerun (detector): not worth a graph of its own
+        if max_iterations > NMS_STEPS:  # the rare exact rerun (detector): not worth a graph of its own
             count = torch.tensor(num_images, device=self.device)
             scores, index, boxes, keep, converged = self.kept(outputs["loc"], outputs["conf"], count, **options)
         else:

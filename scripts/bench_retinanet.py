@@ -40,7 +40,8 @@ from pipeline.bench import machine  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.device import resolve_device  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
-from pipeline.postprocess import RetinaNetHeads, to_device_meta  # noqa: E402
+from pipeline import nms  # noqa: E402
+from pipeline.postprocess import GraphCache, RetinaNetHeads, to_device_meta  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "retinanet_r50_coco.yaml"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to try this script out
@@ -158,6 +159,8 @@ def postprocess(files: dict[str, Path], model: torch.nn.Module, batch: int, size
             **summary(times, batch), "candidates_per_image": round(float((scores > threshold).sum()) / batch),
             "detections_per_image": round(len(found.scores) / batch, 1)}
         log(f"postprocess {threshold}: {results[f'gpudet heads postprocess score>{threshold}']}")
+    results["gpudet heads postprocess stages score>0.0"] = stages = postprocess_stages(post, outputs, batch, iterations)
+    log(f"postprocess stages: {stages}")
     # torchvision's own postprocess (per image, per level, in Python) on the same outputs, score > 0.
     split_sizes = post.level_sizes
     cl, br = outputs["cls_logits"].float(), outputs["bbox_regression"].float()
@@ -171,6 +174,47 @@ def postprocess(files: dict[str, Path], model: torch.nn.Module, batch: int, size
     results["torchvision postprocess_detections score>0"] = summary(times, batch)
     log(f"torchvision postprocess: {results['torchvision postprocess_detections score>0']}")
     model.cpu()
+    return results
+
+
+def postprocess_stages(post: RetinaNetHeads, outputs: dict, batch: int, iterations: int) -> dict:
+    """Where the heads postprocess spends its time at score 0 (the worst case): its parts replayed
+    as CUDA graphs (on the CPU, run), cumulative; the fixed-point steps the images needed; and on a
+    GPU the heaviest kernels of one eager run by device time."""
+    logits, regression, m = outputs["cls_logits"], outputs["bbox_regression"], post.nms_prefix
+
+    def candidates(logits, regression, count):
+        return post.candidates(logits, regression)
+
+    def with_suppressors(logits, regression, count):
+        scores, labels, boxes = post.candidates(logits, regression)
+        return nms.suppressors(boxes[:, :m], labels[:, :m], scores[:, :m] > 0, iou_threshold=0.5)
+
+    def kept(logits, regression, count, *, steps):
+        scores, labels, boxes = post.candidates(logits, regression)
+        return nms.top_nms(boxes, scores, labels, scores > 0, iou_threshold=0.5, max_kept=300, prefix=m,
+                           max_iterations=steps)
+
+    graphs, results = GraphCache(torch.device(DEVICE)), {}
+    parts = [("candidates", candidates, {}), ("+ suppressors", with_suppressors, {})]
+    parts += [(f"+ {steps} NMS steps", kept, {"steps": steps}) for steps in (4, 8, 16, 32)]
+    for name, fn, options in parts:
+        times = timed(lambda: graphs(fn, (logits, regression), batch, **options), iterations=iterations)
+        results[f"{name} ms"] = round(1e3 * statistics.median(times), 3)
+    scores, labels, boxes = post.candidates(logits, regression)
+    by = nms.suppressors(boxes[:, :m], labels[:, :m], scores[:, :m] > 0, iou_threshold=0.5)
+    steps = next(s for s in range(1, m + 1) if bool(nms.fixed_point(by, scores[:, :m] > 0, max_iterations=s)[1].all()))
+    results["fixed-point steps the batch needed"] = steps
+    if DEVICE == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+        count = torch.tensor(batch, device=DEVICE)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            post.kept(logits, regression, count, score_threshold=0.0, iou_threshold=0.5, max_detections=300)
+            sync()
+        kernels = sorted(prof.key_averages(), key=lambda e: -getattr(e, "self_device_time_total", 0))
+        results["heaviest kernels (eager, us: count)"] = {
+            e.key[:90]: f"{e.self_device_time_total:.0f}: {e.count}" for e in kernels[:14]}
+        results["all kernels (eager, us)"] = round(sum(getattr(e, "self_device_time_total", 0) for e in kernels))
     return results
 
 

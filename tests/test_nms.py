@@ -48,7 +48,7 @@ def test_matches_greedy_nms_batched_over_images_and_classes(device, seed):
     boxes, scores, classes, valid = take(boxes), take(scores), take(classes), take(valid)
     t = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
     keep, converged = batched_nms(t(boxes), t(scores), t(classes), t(valid), iou_threshold=0.4, max_iterations=k)
-    assert bool(converged)
+    assert bool(converged.all())
     for b in range(batch):
         expected = np.zeros(k, bool)
         expected[valid[b]] = greedy_nms(boxes[b][valid[b]], scores[b][valid[b]], classes[b][valid[b]], 0.4)
@@ -65,10 +65,31 @@ def test_a_long_suppression_chain_needs_as_many_iterations():
     args = (torch.as_tensor(boxes), torch.as_tensor(scores), torch.zeros(1, k, dtype=torch.long),
             torch.ones(1, k, dtype=torch.bool))
     keep, converged = batched_nms(*args, iou_threshold=0.3, max_iterations=4)
-    assert not bool(converged)  # the bound was too small, and the caller is told so
+    assert not bool(converged.any())  # the bound was too small, and the caller is told so
     keep, converged = batched_nms(*args, iou_threshold=0.3, max_iterations=k)
-    assert bool(converged) and keep[0].tolist() == [i % 2 == 0 for i in range(k)]
+    assert bool(converged.all()) and keep[0].tolist() == [i % 2 == 0 for i in range(k)]
 
+
+
+def test_an_image_that_does_not_converge_is_the_only_one_sent_to_the_exact_path():
+    # Image 0: the sliding chain (needs ~k steps); image 1: two far-apart boxes (one step).
+    k = 40
+    x = np.arange(k, dtype=np.float32) * 3
+    chain = np.stack([x, np.zeros(k), x + 10, np.full(k, 10)], 1)
+    easy = np.zeros((k, 4), np.float32)
+    easy[:, 2:] = 1
+    easy[0], easy[1] = [0, 0, 10, 10], [50, 50, 60, 60]
+    boxes = torch.as_tensor(np.stack([chain, easy]))
+    scores = torch.as_tensor(np.tile(np.linspace(1, 0.5, k, dtype=np.float32), (2, 1)))
+    valid = torch.ones(2, k, dtype=torch.bool)
+    valid[1, 2:] = False
+    classes = torch.zeros(2, k, dtype=torch.long)
+    keep, converged = batched_nms(boxes, scores, classes, valid, iou_threshold=0.3, max_iterations=4)
+    assert converged.tolist() == [False, True]
+    keep, settled = top_nms(boxes, scores, classes, valid, iou_threshold=0.3, max_kept=100, max_iterations=4)
+    assert settled.tolist() == [False, True] and keep[1].tolist() == [True, True] + [False] * (k - 2)
+    finished = exact_nms(boxes, scores, classes, valid, iou_threshold=0.3, max_kept=100, images=[0], keep=keep)
+    assert finished[0].tolist() == [i % 2 == 0 for i in range(k)] and finished[1].tolist() == keep[1].tolist()
 
 def test_box_iou():
     boxes = torch.tensor([[[0, 0, 10, 10], [5, 0, 15, 10], [20, 20, 30, 30]]], dtype=torch.float32)

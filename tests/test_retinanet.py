@@ -284,6 +284,8 @@ def test_the_benchmark_script_runs(tmp_path):
     report = json.loads((out / "bench_retinanet.json").read_text())
     results = report["results"]
     assert results["gpudet heads postprocess score>0.0"]["candidates_per_image"] > 0
+    stages = results["gpudet heads postprocess stages score>0.0"]
+    assert stages["fixed-point steps the batch needed"] >= 1 and stages["+ 16 NMS steps ms"] > 0
     assert results["gpudet heads_fp16"]["images_per_s"] > 0 and results["gpudet e2e_fp16"]["contract"] == "end_to_end"
     assert results["pytorch pipeline (DataLoader + eager fp16 + torchvision postprocess)"]["images_per_s"] > 0
     assert report["ratios"]["gpudet heads / pytorch pipeline"] > 0 and report["machine"]["cores"] >= 1
