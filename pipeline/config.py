@@ -52,6 +52,10 @@ class PreprocessConfig:
     std: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
     pad_value: float = 0.0
     """Pixel value (0..255, before normalisation) of the letterbox padding."""
+    decoder: Literal["auto", "cpu"] = "auto"
+    """auto: on a GPU, nvJPEG (with the hardware JPEG decoder where the GPU has one); on the CPU,
+    the CPU decoders. cpu: decode on the CPU everywhere, the rest still on the device: the decoded
+    pixels of a CPU-only run (nvJPEG's differ by a few levels), e.g. to compare devices; slower."""
     max_pixels: int = 100_000_000
     """Refuse (too_large) images whose header declares more pixels: 100 MP decodes to 300 MB.
     0 turns the check off."""
@@ -66,6 +70,10 @@ class PostprocessConfig:
     """Per image, highest scores first."""
     pre_nms_top_k: int = 1000
     """ssd_heads: candidates per image that enter NMS (best scores above the threshold)."""
+    compile: bool = False
+    """Raw-heads models on a GPU: fuse the postprocess (decode, top-k, IoU, NMS steps) into Triton
+    kernels with torch.compile. Costs compile time at startup (cached on disk, reused by later runs);
+    falls back to the plain kernels, with a warning, where compiling fails."""
 
 
 @dataclass

@@ -91,7 +91,7 @@ def preprocessor_args(config: Config, image_input: ImageInput, device: Device) -
     height, width = image_input.size_hw or tuple(p.size)
     return dict(batch_size=config.run.batch_size, num_threads=config.run.num_threads, height=height, width=width,
                 resize=p.resize, channel_order=p.channel_order, mean=p.mean, std=p.std, pad_value=p.pad_value,
-                dtype=image_input.dtype, layout=image_input.layout,
+                dtype=image_input.dtype, layout=image_input.layout, decoder=p.decoder,
                 # On the GPU a new batch shape costs a cuDNN search; a static-batch model takes no other.
                 pad_partial_batches=device.is_cuda or image_input.batch is not None)
 
@@ -231,8 +231,10 @@ class Detector:
         self.num_landmarks = config.model.landmarks if "landmarks" in {s.name for s in self.engine.outputs} else 0
         m = config.model
         self.ssd_heads = SsdHeads(strides=m.anchor_strides, sizes=m.anchor_sizes, variances=m.box_variances,
-                                  pre_nms_top_k=config.postprocess.pre_nms_top_k, device=self.device.torch)
-        self.retinanet_heads = RetinaNetHeads.from_metadata(self.engine.metadata, self.model_path, self.device.torch) \
+                                  pre_nms_top_k=config.postprocess.pre_nms_top_k, device=self.device.torch,
+                                  compile=config.postprocess.compile)
+        self.retinanet_heads = RetinaNetHeads.from_metadata(
+            self.engine.metadata, self.model_path, self.device.torch, compile=config.postprocess.compile) \
             if self.contract == "retinanet_heads" else None
         self.model_batch = config.run.batch_size
         """Images per model run: run.batch_size, or less after a GPU out-of-memory."""

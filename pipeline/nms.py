@@ -57,7 +57,7 @@ def fixed_point(by: torch.Tensor, valid: torch.Tensor, *, max_iterations: int,
     stops as soon as every image converged; on a GPU that check is a host sync, made only every
     `sync_every` steps when asked (0: never, run max_iterations steps)."""
     keep = previous = valid
-    check_every = sync_every if by.is_cuda else 1
+    check_every = 0 if torch.compiler.is_compiling() else sync_every if by.is_cuda else 1
     for step in range(1, max_iterations + 1):
         # valid and not suppressed, as valid > suppressed: three kernels per step on [B, K, K] bools
         previous, keep = keep, torch.gt(valid, (by & keep[:, None, :]).any(dim=2))

@@ -211,6 +211,30 @@ class GraphCache:
         return outputs
 
 
+class Compiled:
+    """torch.compile(fn) (static shapes, one graph) for use inside GraphCache: compiles on its first
+    call, which GraphCache makes outside the capture; where compiling fails, logs why once and runs
+    fn as it is from then on."""
+
+    def __init__(self, fn):
+        self.fn, self.__qualname__ = fn, f"{fn.__qualname__}[compiled]"
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+
+    def __call__(self, *args, **kwargs):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args, **kwargs)
+            except Exception as e:  # no Triton, no C compiler for its launcher, an op it cannot trace
+                log.warning("postprocess: torch.compile failed, running the plain kernels (%s: %s)",
+                            type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+                self.compiled = None
+        return self.fn(*args, **kwargs)
+
+
+def maybe_compiled(fn, device: torch.device, compile: bool):
+    return Compiled(fn) if compile and device.type == "cuda" else fn
+
+
 class SsdHeads:
     """Postprocess for raw SSD-style heads (RetinaFace): decode, top-k, NMS, all batched on the device.
 
@@ -223,12 +247,13 @@ class SsdHeads:
     """
 
     def __init__(self, *, strides: list[int], sizes: list[list[float]], variances: list[float],
-                 pre_nms_top_k: int, device: torch.device):
+                 pre_nms_top_k: int, device: torch.device, compile: bool = False):
         self.strides, self.sizes, self.variances = strides, sizes, variances
         self.pre_nms_top_k = pre_nms_top_k
         self.device = device
         self._anchors: dict[tuple[int, int], torch.Tensor] = {}
         self.graphs = GraphCache(device)
+        self._kept = maybe_compiled(self.kept, device, compile)
 
     def anchors(self, height: int, width: int) -> torch.Tensor:
         """[A, 4] (cx, cy, w, h) in input pixels, in the heads' order: per stride, row, column, size."""
@@ -279,7 +304,7 @@ class SsdHeads:
             count = torch.tensor(num_images, device=self.device)
             scores, index, boxes, keep, converged = self.kept(outputs["loc"], outputs["conf"], count, **options)
         else:
-            scores, index, boxes, keep, converged = self.graphs(self.kept, (outputs["loc"], outputs["conf"]),
+            scores, index, boxes, keep, converged = self.graphs(self._kept, (outputs["loc"], outputs["conf"]),
                                                                 num_images, **options)
         image, slot = keep.nonzero(as_tuple=True)  # one sync for the count; rows by image, then score
         landmarks = None
@@ -332,7 +357,8 @@ class RetinaNetHeads:
     scripts/export_retinanet.py); the anchors are built once, on the device.
     """
 
-    def __init__(self, *, layout: dict, device: torch.device, nms_prefix: int = 1024, cuda_graphs: bool = True):
+    def __init__(self, *, layout: dict, device: torch.device, nms_prefix: int = 1024, cuda_graphs: bool = True,
+                 compile: bool = False):
         self.device = device
         self.topk = int(layout["topk_candidates"])
         self.box_clip = float(layout["box_clip"])
@@ -353,13 +379,15 @@ class RetinaNetHeads:
         self.box_limits = torch.tensor([width, height, width, height], dtype=torch.float32, device=device)
         self.graphs = GraphCache(device)
         self.graphs.enabled &= cuda_graphs
+        self._kept = maybe_compiled(self.kept, device, compile)
 
     @classmethod
-    def from_metadata(cls, metadata: dict[str, str], model_path: Path, device: torch.device) -> RetinaNetHeads:
+    def from_metadata(cls, metadata: dict[str, str], model_path: Path, device: torch.device,
+                      compile: bool = False) -> RetinaNetHeads:
         if RETINANET_METADATA not in metadata:
             raise ModelError(f"{model_path}: a retinanet_heads model needs its anchor layout in the metadata key "
                              f"{RETINANET_METADATA!r}; export it with scripts/export_retinanet.py")
-        return cls(layout=json.loads(metadata[RETINANET_METADATA]), device=device)
+        return cls(layout=json.loads(metadata[RETINANET_METADATA]), device=device, compile=compile)
 
     def candidates(self, logits: torch.Tensor, regression: torch.Tensor):
         """Per image, the top-k of every level, best first: scores [B, C], labels [B, C],
@@ -407,7 +435,7 @@ class RetinaNetHeads:
         logits, regression = outputs["cls_logits"], outputs["bbox_regression"]
         num_images = len(logits) if num_images is None else num_images
         scores, labels, boxes, valid, keep, settled = self.graphs(
-            self.kept, (logits, regression), num_images, score_threshold=score_threshold, iou_threshold=iou_threshold,
+            self._kept, (logits, regression), num_images, score_threshold=score_threshold, iou_threshold=iou_threshold,
             max_detections=max_detections)
         if not settled.all():  # one host check; the nonzero below syncs anyway
             unsettled = (~settled).nonzero()[:, 0].tolist()

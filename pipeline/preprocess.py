@@ -50,13 +50,17 @@ class PreprocessedBatch:
 
 def letterbox_graph(encoded, *, decode_device: str, height: int, width: int, resize: str, channel_order: str,
                     mean: list[float], std: list[float], pad_value: float, dtype: types.DALIDataType,
-                    layout: str):
-    """The preprocessing graph over DataNodes: returns (images, original HWC shape, resized HWC shape)."""
+                    layout: str, on_gpu: bool = False):
+    """The preprocessing graph over DataNodes: returns (images, original HWC shape, resized HWC shape).
+    decode_device: DALI's "mixed" (nvJPEG) or "cpu"; on_gpu: the operators after the decoder run
+    on the GPU (implied by "mixed")."""
     decoder_args = {"hw_decoder_load": HW_DECODER_LOAD} if decode_device == "mixed" else {}
     output_type = types.BGR if channel_order == "BGR" else types.RGB
     # Grayscale and CMYK are converted to 3 channels; EXIF orientation is applied by default.
     images = fn.decoders.image(encoded, device=decode_device, output_type=output_type, **decoder_args)
     original_shape = images.shape()
+    if on_gpu and decode_device == "cpu":
+        images = images.gpu()
     if resize == "letterbox":
         # not_larger keeps the aspect ratio inside height x width. subpixel_scale=False makes the
         # scale exactly (resized size / original size) per axis, which is what maps boxes back.
@@ -97,7 +101,7 @@ class Preprocessor:
                  resize: Literal["letterbox", "stretch"], channel_order: Literal["RGB", "BGR"],
                  mean: list[float], std: list[float], pad_value: float,
                  dtype: Literal["float32", "float16"], layout: Literal["NCHW", "NHWC"],
-                 pad_partial_batches: bool = False):
+                 pad_partial_batches: bool = False, decoder: Literal["auto", "cpu"] = "auto"):
         """pad_partial_batches: fill a short batch up to batch_size by repeating its last image, so
         the model always sees one input shape (a new shape costs ORT's CUDA EP a cuDNN algorithm
         search: ~2 s per shape measured on the H200). The extra rows are not in `refs`."""
@@ -108,7 +112,8 @@ class Preprocessor:
         self.graph_args = dict(
             height=height, width=width, resize=resize, channel_order=channel_order, mean=list(mean),
             std=list(std), pad_value=pad_value, layout="CHW" if layout == "NCHW" else "HWC",
-            dtype=types.FLOAT16 if dtype == "float16" else types.FLOAT)
+            dtype=types.FLOAT16 if dtype == "float16" else types.FLOAT, on_gpu=device.is_cuda)
+        self.decode_device = "mixed" if device.is_cuda and decoder == "auto" else "cpu"
         self.in_flight: deque[list[EncodedImage]] = deque()
         self.pipe = self._build()
 
@@ -119,7 +124,7 @@ class Preprocessor:
             # Depth 1 and explicit schedule_run() per fed batch: the pipeline never asks for a
             # batch that was not fed (a deeper prefetch would, at the end of the data).
             prefetch_queue_depth=1,
-            decode_device="mixed" if self.device.is_cuda else "cpu", graph_args=self.graph_args)
+            decode_device=self.decode_device, graph_args=self.graph_args)
         pipe.build()
         return pipe
 

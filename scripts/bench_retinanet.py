@@ -41,7 +41,7 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.device import resolve_device  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 from pipeline import nms  # noqa: E402
-from pipeline.postprocess import GraphCache, RetinaNetHeads, to_device_meta  # noqa: E402
+from pipeline.postprocess import Compiled, GraphCache, RetinaNetHeads, to_device_meta  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "retinanet_r50_coco.yaml"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to try this script out
@@ -161,6 +161,22 @@ def postprocess(files: dict[str, Path], model: torch.nn.Module, batch: int, size
         log(f"postprocess {threshold}: {results[f'gpudet heads postprocess score>{threshold}']}")
     results["gpudet heads postprocess stages score>0.0"] = stages = postprocess_stages(post, outputs, batch, iterations)
     log(f"postprocess stages: {stages}")
+    if DEVICE == "cuda":  # postprocess.compile: the same steps as Triton kernels from torch.compile
+        compiled = RetinaNetHeads.from_metadata(engine.metadata, files["heads_fp16"], torch.device(DEVICE),
+                                                compile=True)
+        for threshold in (0.05, 0.0):
+            start = time.perf_counter()
+            found = compiled(outputs, meta, score_threshold=threshold, iou_threshold=0.5, max_detections=300)
+            first_call = time.perf_counter() - start
+            times = timed(lambda: compiled(outputs, meta, score_threshold=threshold, iou_threshold=0.5,
+                                           max_detections=300), iterations=iterations)
+            key = f"gpudet heads postprocess compiled score>{threshold}"
+            results[key] = {**summary(times, batch), "first_call_s": round(first_call, 1),
+                            "detections_per_image": round(len(found.scores) / batch, 1)}
+            log(f"{key}: {results[key]}")
+        results["gpudet heads postprocess compiled stages score>0.0"] = stages = postprocess_stages(
+            compiled, outputs, batch, iterations, compile=True)
+        log(f"compiled postprocess stages: {stages}")
     # torchvision's own postprocess (per image, per level, in Python) on the same outputs, score > 0.
     split_sizes = post.level_sizes
     cl, br = outputs["cls_logits"].float(), outputs["bbox_regression"].float()
@@ -177,7 +193,7 @@ def postprocess(files: dict[str, Path], model: torch.nn.Module, batch: int, size
     return results
 
 
-def postprocess_stages(post: RetinaNetHeads, outputs: dict, batch: int, iterations: int) -> dict:
+def postprocess_stages(post: RetinaNetHeads, outputs: dict, batch: int, iterations: int, compile: bool = False) -> dict:
     """Where the heads postprocess spends its time at score 0 (the worst case): its parts replayed
     as CUDA graphs (on the CPU, run), cumulative; the fixed-point steps the images needed; and on a
     GPU the heaviest kernels of one eager run by device time."""
@@ -197,10 +213,13 @@ def postprocess_stages(post: RetinaNetHeads, outputs: dict, batch: int, iteratio
 
     graphs, results = GraphCache(torch.device(DEVICE)), {}
     parts = [("candidates", candidates, {}), ("+ suppressors", with_suppressors, {})]
-    parts += [(f"+ {steps} NMS steps", kept, {"steps": steps}) for steps in (4, 8, 16, 32)]
+    parts += [(f"+ {steps} NMS steps", kept, {"steps": steps}) for steps in ((16,) if compile else (4, 8, 16, 32))]
     for name, fn, options in parts:
+        fn = Compiled(fn) if compile else fn
         times = timed(lambda: graphs(fn, (logits, regression), batch, **options), iterations=iterations)
         results[f"{name} ms"] = round(1e3 * statistics.median(times), 3)
+    if compile:
+        return results
     scores, labels, boxes = post.candidates(logits, regression)
     by = nms.suppressors(boxes[:, :m], labels[:, :m], scores[:, :m] > 0, iou_threshold=0.5)
     steps = next(s for s in range(1, m + 1) if bool(nms.fixed_point(by, scores[:, :m] > 0, max_iterations=s)[1].all()))

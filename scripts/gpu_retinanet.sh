@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # RetinaNet on the H200 (issues 3, 4, 7): the GPU tests, the side-by-side benchmark, and with two
 # GPUs the --devices and Ray runs. Usage (GPU machine, wheels installed, PYTHONPATH set):
-#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|retinaface|scale
+#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|retinaface|latency|scale
 set -uo pipefail
 OUT=${OUT:-/tmp/gpudet-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -28,12 +28,21 @@ case "${1:-}" in
       $PY scripts/profile_ort.py $WORK/$m.onnx --nhwc 2>&1 | grep -v -i "deprecat\|warn" | tee -a "$OUT/profile.txt"
     done
     ;;
-  retinaface)  # gpudet bench on the default model, end-to-end and raw-heads configs
+  retinaface)  # gpudet bench on the default model, end-to-end and raw-heads configs (the latter also compiled)
     images
-    for cfg in retinaface_mnet025 retinaface_mnet025_heads; do
+    for run in "retinaface_mnet025" "retinaface_mnet025_heads" "retinaface_mnet025_heads postprocess.compile=true"; do
+      set -- $run; cfg=$1; tag=$(echo "$run" | tr -cd '[:alnum:]_')
       $PY -m pipeline bench /tmp/imgset/jpg_abs.txt --config configs/$cfg.yaml --device cuda --limit 4000 \
-        --json "$OUT/bench_$cfg.json" 2>&1 | quiet | tee -a "$OUT/bench_retinaface.txt"
+        --latency "${LATENCY:-200}" ${2:+--set $2} --json "$OUT/bench_$tag.json" 2>&1 | quiet | tee -a "$OUT/bench_retinaface.txt"
     done
+    ;;
+  latency)  # batch-1 latency of RetinaNet: a batch-1 heads model through gpudet bench --latency
+    [ -f $WORK/retinanet_heads_fp16_b1.onnx ] || $PY scripts/export_retinanet.py --contract retinanet_heads --fp16 \
+      --batch-size 1 --out $WORK/retinanet_heads_fp16_b1.onnx 2>&1 | quiet | tail -2
+    images
+    $PY -m pipeline bench /tmp/imgset/jpg_abs.txt --config configs/retinanet_r50_coco.yaml --device cuda \
+      --set model.path=$WORK/retinanet_heads_fp16_b1.onnx --limit 500 --latency "${LATENCY:-200}" --skip-naive \
+      --json "$OUT/bench_retinanet_b1.json" 2>&1 | quiet | tee -a "$OUT/latency.txt"
     ;;
   scale)
     images
@@ -57,5 +66,5 @@ print("one GPU, img/s after setup:", a["images_per_s"], "| two workers, per work
       [w.get("images_per_s") for w in b.get("workers", [])], "| wall totals:", a["seconds"]["total"], b["seconds"]["total"])
 PY
     ;;
-  *) echo "usage: $0 tests|bench|profile|retinaface|scale" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|profile|retinaface|latency|scale" >&2; exit 2 ;;
 esac

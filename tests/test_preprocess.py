@@ -141,3 +141,19 @@ def test_a_short_batch_is_padded_to_one_shape_when_asked(device):
     batch = p.run(items)
     assert as_numpy(batch.images).shape[0] == 4 and [r.index for r in batch.refs] == [0, 1]
     assert batch.orig_hw[:2].tolist() == [[427, 640], [512, 512]] and batch.orig_hw[3].tolist() == [512, 512]
+
+
+@pytest.mark.cuda
+def test_decoder_cpu_on_a_gpu_gives_the_cpu_runs_pixels():
+    """preprocess.decoder=cpu: JPEGs decoded on the CPU, resized and normalised on the GPU, equal
+    the CPU-only pipeline's output up to float rounding; nvJPEG's (the default) may differ by a
+    few levels, which this prints."""
+    data = np.fromfile(SAMPLES / "grace_hopper.jpg", np.uint8)
+    item = EncodedImage(ImageRef(0, "grace_hopper.jpg"), data)
+    cpu = as_numpy(preprocessor("cpu").run([item]).images)
+    on_gpu = preprocessor("cuda", decoder="cpu").run([item]).images
+    assert type(on_gpu).__name__ == "TensorListGPU" or "GPU" in type(on_gpu).__name__
+    assert np.abs(as_numpy(on_gpu) - cpu).max() < 0.01
+    nvjpeg = as_numpy(preprocessor("cuda").run([item]).images)
+    print(f"nvJPEG vs CPU decode after resize: max {np.abs(nvjpeg - cpu).max():.2f}, "
+          f"mean {np.abs(nvjpeg - cpu).mean():.3f} levels")

@@ -142,22 +142,24 @@ def test_heads_model_gives_torchvisions_detections(exported, images, reference, 
                                box_tol=0.5, score_tol=1e-4)
 
 
-def detect(model_path: Path, device: str, out: Path) -> dict[str, list]:
+def detect(model_path: Path, device: str, out: Path, *settings: str) -> dict[str, list]:
     """`gpudet detect samples` with the RetinaNet config, float32 without TF32 (these random
     weights turn TF32's ~1e-3 into box shifts of pixels); {file name: detections}."""
     subprocess.run([sys.executable, "-m", "pipeline", "detect", str(SAMPLES), "--config", str(CONFIG),
                     "--model", str(model_path), "--device", device, "--out", str(out), "--quiet",
-                    "--set", "run.tf32=false"], check=True)
+                    "--set", "run.tf32=false", *settings], check=True)
     return {Path(r["path"]).name: r["detections"] for r in read_jsonl(out / "detections.jsonl")}
 
 
-def assert_close(a: dict[str, list], b: dict[str, list], *, box_tol: float, score_tol: float, top: int | None = None):
+def assert_close(a: dict[str, list], b: dict[str, list], *, box_tol: float, score_tol: float, top: int | None = None,
+                 suffixes: tuple[str, ...] = (".png", ".jpg")):
     """Every detection of `a` (its best `top` per image, or all and the same count) has one in `b`
     of the same label, score within score_tol, box within box_tol px; or, at most 2% of them, a
     tie partner there: same label and score, overlapping by more than the NMS IoU (two candidates
-    that close in score may be kept either way when the numbers differ in the last bits)."""
+    that close in score may be kept either way when the numbers differ in the last bits).
+    Compares the samples whose names end in `suffixes`."""
     assert a.keys() == b.keys() == {p.name for p in SAMPLES.iterdir() if p.suffix in (".png", ".jpg")}
-    for name in a:
+    for name in (n for n in a if n.endswith(suffixes)):
         if top is None:
             assert len(a[name]) == len(b[name]) > 0, name
         rows_a = a[name][:top]
@@ -187,11 +189,16 @@ def test_both_contracts_detect_the_same_through_gpudet(device, exported, tmp_pat
         assert_close(e2e, heads, box_tol=1.0, score_tol=0.01, top=50)
     assert {d["name"] for dets in e2e.values() for d in dets} <= set(exporter_labels())
     if device == "cuda":
-        # nvJPEG and libjpeg-turbo decode a few pixel values differently, and these random weights
-        # score 300 candidates per image within a few hundredths: compare the best 50 per image
-        # (the CPU case above compares all of them).
+        # The same pixels on both devices: the PNGs, and the JPEGs with preprocess.decoder=cpu.
+        # (nvJPEG and libjpeg-turbo decode some pixel values a few levels apart, and these random
+        # weights score 300 candidates per image within a few hundredths, so with nvJPEG's pixels
+        # the JPEGs' near-tied candidates reorder.) The best 50 per image; the CPU case above
+        # compares all of them.
         cpu = detect(exported["retinanet_heads"], "cpu", tmp_path / "cpu")
-        assert_close(heads, cpu, box_tol=1.0, score_tol=0.01, top=50)
+        assert_close(heads, cpu, box_tol=1.0, score_tol=0.01, top=50, suffixes=(".png",))
+        cpu_decoded = detect(exported["retinanet_heads"], "cuda", tmp_path / "cpu_decoded", "--set",
+                             "preprocess.decoder=cpu")
+        assert_close(cpu_decoded, cpu, box_tol=1.0, score_tol=0.01, top=50)
 
 
 def exporter_labels() -> list[str]:
@@ -271,6 +278,37 @@ def test_heads_buffers_are_reused_and_postprocess_copies_only_the_final_detectio
     assert sorted(copies)[-1] == final_bytes and max(others, default=0) <= 64 and sum(others) <= 1024
     assert sum(copies) < heads_bytes / 1000
 
+
+@pytest.mark.cuda
+def test_the_compiled_postprocess_keeps_the_same_detections(exported, images, reference, thresholds):
+    """postprocess.compile (torch.compile, Triton kernels) against the plain kernels on the same
+    GPU outputs, at the test threshold and at 0 (every level's top 1,000): the same detections,
+    and torchvision's at the test threshold. Fails, rather than passing on the fallback, when
+    compiling fails."""
+    engine = Engine(exported["retinanet_heads"], device=Device("cuda", 0), scalars={},
+                    cuda_options={"use_tf32": "0"})
+    outputs = {k: v.clone() for k, v in engine.run(images.cuda()).items()}
+    device = torch.device("cuda", 0)
+    plain = RetinaNetHeads.from_metadata(engine.metadata, exported["retinanet_heads"], device)
+    compiled = RetinaNetHeads.from_metadata(engine.metadata, exported["retinanet_heads"], device, compile=True)
+    ones, zeros = np.ones((BATCH, 2), np.float32), np.zeros((BATCH, 2), np.float32)
+    meta = to_device_meta(ones, zeros, np.array([SIZE] * BATCH), device)
+    for score_threshold in (thresholds["score_threshold"], 0.0):
+        options = dict(thresholds, score_threshold=score_threshold)
+        a = plain(outputs, meta, **options).to_host()
+        b = compiled(outputs, meta, **options).to_host()
+        assert compiled._kept.compiled is not None, "torch.compile failed (see the warning)"
+        for i in range(BATCH):  # the plain kernels' detections, as torchvision's would be compared
+            rows_a, rows_b = a.rows_of(i), b.rows_of(i)
+            plain_found = {"boxes": torch.from_numpy(a.boxes_xyxy[rows_a]), "scores": torch.from_numpy(a.scores[rows_a]),
+                           "labels": torch.from_numpy(a.labels[rows_a])}
+            assert_same_detections(b.boxes_xyxy[rows_b], b.scores[rows_b], b.labels[rows_b], plain_found,
+                                   box_tol=1e-3, score_tol=1e-5)
+        if score_threshold > 0:
+            for i, expected in enumerate(reference):
+                rows = b.rows_of(i)
+                assert_same_detections(b.boxes_xyxy[rows], b.scores[rows], b.labels[rows], expected,
+                                       box_tol=0.5, score_tol=1e-4)
 
 def test_the_benchmark_script_runs(tmp_path):
     """scripts/bench_retinanet.py end to end at a toy size on this machine (the H200 numbers in
