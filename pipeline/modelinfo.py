@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import re
-import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 
@@ -29,57 +26,40 @@ def declared_io(model_path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
             [TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_outputs()])
 
 
-@contextlib.contextmanager
-def native_stderr():
-    """Captures what native code (ORT's logger) writes to file descriptor 2; yields a list that
-    holds the text once the block ends."""
-    text: list[str] = []
-    with tempfile.TemporaryFile() as capture:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(capture.fileno(), 2)
-        try:
-            yield text
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            capture.seek(0)
-            text.append(capture.read().decode(errors="replace"))
-
-
-MEMCPY_LOG = re.compile(r"(\d+) Memcpy nodes are added to the graph (\S+) for (\w+)")
+NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+               "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_}
 
 
 def memcpy_nodes(model_path: Path, size_hw: tuple[int, int] | None, *, device_index: int = 0,
                  cuda_options: dict[str, str] | None = None) -> dict:
-    """Memcpy nodes ORT inserts on the CUDA EP (host round trips per run): {"count": N, "where":
-    [...]}. ORT reports them in its log while it builds the session ("N Memcpy nodes are added to
-    the graph G"), with the copies themselves at INFO level; the saved optimized model does not
-    always hold them. size_hw fixes a symbolic input height/width as the pipeline does."""
+    """Memcpy nodes ORT runs on the CUDA EP (host round trips per run): {"count": N, "where":
+    ["MemcpyToHost (node name)", ...]}, from ORT's profile of one run on a black image (ORT 1.31 neither
+    saves them in its optimized model nor names them in its log). Symbolic image height/width
+    become size_hw, as in the pipeline; other symbolic dims 1."""
     inputs, _ = declared_io(model_path)
     image = find_image_input(inputs, model_path)
-    spec = next(s for s in inputs if s.name == image.name)
-    dims = spec.shape[2:4] if image.layout == "NCHW" else spec.shape[1:3]
+    hw_axes = (2, 3) if image.layout == "NCHW" else (1, 2)
     with tempfile.TemporaryDirectory() as tmp:
         options = ort.SessionOptions()
-        options.log_severity_level = 1  # INFO: the copies ORT adds, and the count as a warning
-        options.optimized_model_filepath = f"{tmp}/optimized.onnx"
-        for dim, value in zip(dims, size_hw or ()):
-            if isinstance(dim, str):
-                options.add_free_dimension_override_by_name(dim, value)
+        options.log_severity_level = 3
+        options.enable_profiling = True
+        options.profile_file_prefix = f"{tmp}/profile"
         ort.preload_dlls()
-        with native_stderr() as log_text:
-            ort.InferenceSession(str(model_path), options, providers=[
-                ("CUDAExecutionProvider", {"device_id": str(device_index), **(cuda_options or {})})])
-        graph = onnx.load(f"{tmp}/optimized.onnx").graph
-    consumers = {i: n.name or n.op_type for n in graph.node for i in n.input}
-    saved = [f"{n.op_type} -> {consumers.get(n.output[0], '?')}" for n in graph.node if n.op_type.startswith("Memcpy")]
-    logged = MEMCPY_LOG.findall(log_text[0])
-    count = max(len(saved), sum(int(n) for n, _, _ in logged))
-    detail = [line.split("] ", 1)[-1].strip() for line in log_text[0].splitlines()
-              if "Memcpy" in line and not MEMCPY_LOG.search(line)]
-    return {"count": count, "where": saved or detail[:50] or
-            [f"{n} in graph {g} for {ep} (ORT's log)" for n, g, ep in logged]}
+        session = ort.InferenceSession(str(model_path), options, providers=[
+            ("CUDAExecutionProvider", {"device_id": str(device_index), **(cuda_options or {})})])
+        feeds = {}
+        for arg in session.get_inputs():
+            shape = [d if isinstance(d, int) else
+                     (size_hw[hw_axes.index(axis)] if arg.name == image.name and size_hw and axis in hw_axes else 1)
+                     for axis, d in enumerate(arg.shape)]
+            fill = np.zeros if arg.name == image.name else np.ones  # thresholds, counts: 1
+            feeds[arg.name] = fill(shape, NUMPY_TYPES.get(arg.type, np.float32))
+        session.run(None, feeds)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    where = sorted({f"{e['args']['op_name']} ({e['name'].removesuffix('_kernel_time')})" for e in events
+                    if e.get("cat") == "Node" and str(e.get("args", {}).get("op_name", "")).startswith("Memcpy")
+                    and e["name"].endswith("_kernel_time")})
+    return {"count": len(where), "where": where}
 
 
 def inspect_model(path: str | Path, *, size_hw: tuple[int, int] | None = (640, 640)) -> dict:

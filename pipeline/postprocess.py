@@ -374,6 +374,12 @@ class RetinaNetHeads:
             cell = torch.tensor(cell, dtype=torch.float32, device=device)
             parts.append((shifts[:, None, :] + cell[None]).reshape(-1, 4))
         self.anchors = torch.cat(parts)  # [A, 4] x1y1x2y2, torchvision's AnchorGenerator order
+        # Level l's anchors as row l of a [L, W] grid (W: the largest level), padded with index A.
+        grid, start = torch.full((len(self.level_sizes), max(self.level_sizes)), len(self.anchors)), 0
+        for row, n in enumerate(self.level_sizes):
+            grid[row, :n] = torch.arange(start, start + n)
+            start += n
+        self.level_grid = grid.to(device)
         self.box_weights = tuple(float(w) for w in layout["box_weights"])  # wx wy ww wh
         height, width = self.input_hw
         self.box_limits = torch.tensor([width, height, width, height], dtype=torch.float32, device=device)
@@ -391,30 +397,31 @@ class RetinaNetHeads:
 
     def candidates(self, logits: torch.Tensor, regression: torch.Tensor):
         """Per image, the top-k of every level, best first: scores [B, C], labels [B, C],
-        boxes [B, C, 4] x1y1x2y2 clipped to the input (C = sum over levels of min(topk, A_l*K))."""
+        boxes [B, C, 4] x1y1x2y2 clipped to the input (C = levels x min(topk, W x K), W the
+        largest level's anchors). A level with fewer than topk (anchor, class) pairs fills its
+        share with score 0, which no threshold keeps."""
         batch, anchors, num_classes = logits.shape
         if anchors != len(self.anchors):
             raise ModelError(f"cls_logits has {anchors} anchors; the metadata's layout makes {len(self.anchors)}")
-        scores, index, start = [], [], 0
-        for n in self.level_sizes:
-            level = logits[:, start:start + n]  # [B, n, K]
-            k = min(self.topk, n * num_classes)
-            # The top k (anchor, class) pairs lie on the k anchors of highest best-class score (an
-            # anchor outside those has its best score below k others', so all its pairs rank below
-            # k pairs). Top-k over anchors, then over their k x K pairs: instead of one top-k over
-            # n x K = 8.2 M pairs per image at P3 (800 px).
-            if k < n:
-                _, best = level.amax(dim=2).topk(k, dim=1)  # [B, k] anchors
-                level = level.gather(1, best[..., None].expand(-1, -1, num_classes))
-            else:
-                best = torch.arange(n, device=logits.device).expand(batch, n)
-            top, at = level.reshape(batch, -1).topk(k, dim=1)
-            scores.append(top)
-            index.append((best.gather(1, at // num_classes) + start) * num_classes + at % num_classes)
-            start += n
-        scores, order = torch.cat(scores, dim=1).float().sigmoid().sort(dim=1, descending=True)
-        index = torch.cat(index, dim=1).gather(1, order)
-        anchor, labels = index // num_classes, index % num_classes
+        levels, width = self.level_grid.shape
+        # The top k (anchor, class) pairs of a level lie on its k anchors of highest best-class
+        # score (an anchor outside those has its best score below k others', so all its pairs
+        # rank below k pairs): top-k over anchors, then over their k x K pairs, instead of one
+        # top-k over 8.2 M pairs per image at P3 (800 px). All levels in one call each: level l
+        # is row l of the [L, W] grid, padded with a sentinel anchor (index A) scored -inf.
+        best_class = logits.amax(dim=2)  # [B, A]
+        best_class = torch.cat([best_class, best_class.new_full((batch, 1), float("-inf"))], dim=1)
+        k = min(self.topk, width)
+        _, at = best_class[:, self.level_grid].topk(k, dim=2, sorted=False)  # [B, L, k] grid columns
+        anchor = self.level_grid.expand(batch, -1, -1).gather(2, at)  # [B, L, k] anchors (A: padding)
+        real = anchor.clamp(max=anchors - 1).reshape(batch, -1)
+        pairs = logits.gather(1, real[..., None].expand(-1, -1, num_classes)).reshape(batch, levels, k, num_classes)
+        pairs = pairs.masked_fill((anchor == anchors)[..., None], float("-inf"))
+        top, at = pairs.reshape(batch, levels, k * num_classes).topk(min(self.topk, k * num_classes), dim=2,
+                                                                     sorted=False)
+        anchor = anchor.gather(2, at // num_classes).reshape(batch, -1).clamp(max=anchors - 1)
+        scores, order = top.reshape(batch, -1).float().sigmoid().sort(dim=1, descending=True)
+        anchor, labels = anchor.gather(1, order), (at % num_classes).reshape(batch, -1).gather(1, order)
         deltas = regression.gather(1, anchor[..., None].expand(-1, -1, 4)).float()
         boxes = decode_box_deltas(deltas, self.anchors[anchor], self.box_weights, self.box_clip)
         return scores, labels, torch.minimum(boxes.clamp(min=0), self.box_limits)
