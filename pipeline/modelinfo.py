@@ -30,12 +30,14 @@ NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tens
                "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_}
 
 
-def memcpy_nodes(model_path: Path, size_hw: tuple[int, int] | None, *, device_index: int = 0,
-                 cuda_options: dict[str, str] | None = None) -> dict:
-    """Memcpy nodes ORT runs on the CUDA EP (host round trips per run): {"count": N, "where":
-    ["MemcpyToHost (node name)", ...]}, from ORT's profile of one run on a black image (ORT 1.31 neither
-    saves them in its optimized model nor names them in its log). Symbolic image height/width
-    become size_hw, as in the pipeline; other symbolic dims 1."""
+def cuda_placement(model_path: Path, size_hw: tuple[int, int] | None, *, device_index: int = 0,
+                   cuda_options: dict[str, str] | None = None) -> dict:
+    """Where ORT runs the model's nodes with the CUDA EP, from its profile of one run on a black
+    image: {"nodes": {provider: count}, "cpu_ops": {op: count}, "memcpy": ["MemcpyToHost (node)",
+    ...]}. Nodes on the CPU are shape arithmetic ORT keeps on the host (each a device/host round
+    trip when its input lives on the GPU). ORT 1.31 names them neither in its saved optimized
+    model nor in its log. Symbolic image height/width become size_hw, as in the pipeline; other
+    symbolic dims 1."""
     inputs, _ = declared_io(model_path)
     image = find_image_input(inputs, model_path)
     hw_axes = (2, 3) if image.layout == "NCHW" else (1, 2)
@@ -56,10 +58,13 @@ def memcpy_nodes(model_path: Path, size_hw: tuple[int, int] | None, *, device_in
             feeds[arg.name] = fill(shape, NUMPY_TYPES.get(arg.type, np.float32))
         session.run(None, feeds)
         events = json.loads(Path(session.end_profiling()).read_text())
-    where = sorted({f"{e['args']['op_name']} ({e['name'].removesuffix('_kernel_time')})" for e in events
-                    if e.get("cat") == "Node" and str(e.get("args", {}).get("op_name", "")).startswith("Memcpy")
-                    and e["name"].endswith("_kernel_time")})
-    return {"count": len(where), "where": where}
+    nodes = {e["name"].removesuffix("_kernel_time"): e["args"] for e in events
+             if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and "provider" in e.get("args", {})}
+    return {"nodes": dict(Counter(a["provider"] for a in nodes.values())),
+            "cpu_ops": dict(Counter(a.get("op_name", "?") for a in nodes.values()
+                                    if a["provider"] == "CPUExecutionProvider").most_common()),
+            "memcpy": sorted(f"{a.get('op_name')} ({name})" for name, a in nodes.items()
+                             if str(a.get("op_name", "")).startswith("Memcpy"))}
 
 
 def inspect_model(path: str | Path, *, size_hw: tuple[int, int] | None = (640, 640)) -> dict:
@@ -95,9 +100,9 @@ def inspect_model(path: str | Path, *, size_hw: tuple[int, int] | None = (640, 6
     except ModelError as e:
         info["contract"] = f"none: {e}"
     if _cuda_problem(0) is None and isinstance(info["image_input"], dict):
-        info["cuda_memcpy"] = memcpy_nodes(path, image.size_hw or size_hw)
+        info["cuda_placement"] = cuda_placement(path, image.size_hw or size_hw)
     else:
-        info["cuda_memcpy"] = "not checked: no usable GPU here"
+        info["cuda_placement"] = "not checked: no usable GPU here"
     return info
 
 
@@ -112,7 +117,14 @@ def format_info(info: dict) -> str:
         r = info["retinanet"]
         lines.append(f"anchors    {len(r['grids'])} levels, grids {r['grids']}, strides {r['strides']}, "
                      f"{r['anchors_per_cell']} per cell; {r['classes']} classes; top {r['topk_per_level']} per level")
-    memcpy = info["cuda_memcpy"]
-    lines.append(f"memcpy     {memcpy}" if isinstance(memcpy, str) else
-                 f"memcpy     {memcpy['count']} on the CUDA EP" + "".join(f"\n             {m}" for m in memcpy["where"]))
+    placement = info["cuda_placement"]
+    if isinstance(placement, str):
+        lines.append(f"cuda EP    {placement}")
+    else:
+        counts = placement["nodes"]
+        lines.append(f"cuda EP    {counts.get('CUDAExecutionProvider', 0)} nodes on the GPU, "
+                     f"{counts.get('CPUExecutionProvider', 0)} on the CPU"
+                     + (" (" + ", ".join(f"{op} {n}" for op, n in placement["cpu_ops"].items()) + ")"
+                        if placement["cpu_ops"] else "")
+                     + f"; Memcpy nodes: {', '.join(placement['memcpy']) or 'none'}")
     return "\n".join(lines)
