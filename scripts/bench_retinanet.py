@@ -352,7 +352,8 @@ def main() -> None:
         if rate(top) and rate(bottom):
             ratios[name] = round(rate(top) / rate(bottom), 3)
     heads_ms = r.get("ort heads fp16 NHWC", {}).get("ms_per_batch")
-    for key in ("gpudet heads postprocess score>0.05", "gpudet heads postprocess score>0.0"):
+    for key in ("gpudet heads postprocess score>0.05", "gpudet heads postprocess score>0.0",
+                "gpudet heads postprocess compiled score>0.05", "gpudet heads postprocess compiled score>0.0"):
         if heads_ms and key in r:
             ratios[f"{key} / model"] = round(r[key]["ms_per_batch"] / heads_ms, 4)
     for threshold in ("0.05", "0"):
