@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=int, default=1000, help="use the first N images (default 1000)")
     bench.add_argument("--iterations", type=int, default=20, help="repeats of the model-only and DALI-only batch")
     bench.add_argument("--skip-naive", action="store_true", help="leave out the (slow) naive baseline")
+    bench.add_argument("--naive-limit", type=int, default=300, metavar="N",
+                       help="run the naive baseline on the first N images (default 300)")
     bench.add_argument("--latency", type=int, default=0, metavar="N",
                        help="also time N images one at a time (batch 1): p50/p99 from file to detections")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -200,7 +202,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     overrides = args.overrides + option_overrides(device=args.device, batch_size=args.batch_size)
     report = run_bench(args.source, load_config(args.config, overrides), limit=args.limit,
-                       iterations=args.iterations, skip_naive=args.skip_naive, latency=args.latency,
+                       iterations=args.iterations, skip_naive=args.skip_naive, naive_limit=args.naive_limit,
+                       latency=args.latency,
                        command=shlex.join(["gpudet", *args.argv]))
     if args.json:
         write_report(report, args.json)

@@ -10,15 +10,15 @@ from conftest import SAMPLES
 def test_bench_reports_rates_ratios_and_the_machine(tmp_path, capsys):
     report_path = tmp_path / "bench.json"
     assert main(["bench", str(SAMPLES), "--device", "cpu", "--batch-size", "4", "--limit", "6", "--iterations", "1",
-                 "--latency", "5", "--json", str(report_path)]) == 0
+                 "--latency", "5", "--naive-limit", "4", "--json", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
     assert set(report["images_per_s"]) == {"gpudet", "model", "preprocess", "naive"}
     assert all(rate > 0 for rate in report["images_per_s"].values())
     assert report["ratios"]["gpudet / naive"] == round(report["images_per_s"]["gpudet"] /
                                                        report["images_per_s"]["naive"], 3)
-    assert report["images"] == 6 and report["machine"]["cores"] >= 1 and report["date"]
+    assert report["images"] == 6 and report["naive_images"] == 4 and report["machine"]["cores"] >= 1 and report["date"]
     assert report["command"] == (f"gpudet bench {SAMPLES} --device cpu --batch-size 4 --limit 6 --iterations 1 "
-                                 f"--latency 5 --json {report_path}")
+                                 f"--latency 5 --naive-limit 4 --json {report_path}")
     stages = report["gpudet_stages_s"]
     assert {"read", "preprocess", "engine", "postprocess", "write"} <= set(stages) and stages["engine"] > 0
     assert stages["gpu_utilisation_percent"] is None  # on the CPU
@@ -26,3 +26,4 @@ def test_bench_reports_rates_ratios_and_the_machine(tmp_path, capsys):
     assert latency["images"] == 5 and 0 < latency["p50_ms"] <= latency["p99_ms"]
     out = capsys.readouterr().out
     assert "gpudet / naive" in out and "latency, batch 1, 5 images: p50" in out and "gpudet stages" in out
+    assert "(first 4 images)" in out
