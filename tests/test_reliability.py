@@ -279,11 +279,13 @@ def test_soak_host_memory_stays_flat(tmp_path):
     stdout, stderr = process.communicate()
     assert process.returncode == 0, stderr
     assert len(read_jsonl(out)) == 6000
-    # Resident memory rises for the first ~3,000 images (measured: 435 MiB at 500, 507 at 3,000,
-    # then 511-523 up to 12,000) as allocators settle; "flat" is judged after that.
+    # Resident memory rises for the first ~3,000 images as allocators settle; "flat" is judged
+    # after that, while the run writes records: once all 6,000 are written the process tears down
+    # (DALI, ORT, torch), which moves RSS without being the run's growth.
     warm = [rss for written, rss in samples if 3000 <= written < 4000]
-    late = [rss for written, rss in samples if written >= 5500]
+    late = [(rss, written) for written, rss in samples if 5500 <= written < 6000]
     assert warm and late, samples[-5:]
-    print(f"RSS after 3000-4000 images {max(warm):.0f} MiB, after 5500+ {max(late):.0f} MiB, peak "
+    print(f"RSS after 3000-4000 images {max(warm):.0f} MiB, after 5500-5999 {max(late)[0]:.0f} MiB, peak "
           f"{max(r for _, r in samples):.0f} MiB")
-    assert max(late) - max(warm) < 40, (max(warm), max(late))
+    assert max(late)[0] - max(warm) < 40, (max(warm), "(RSS, records written) at the late peak:", max(late),
+                                           "last samples:", samples[-5:])
