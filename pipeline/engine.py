@@ -32,9 +32,10 @@ from .device import Device
 ORT_TO_TORCH = {
     "tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(int64)": torch.int64,
     "tensor(int32)": torch.int32, "tensor(bool)": torch.bool, "tensor(uint8)": torch.uint8,
+    "tensor(double)": torch.float64,
 }
 TORCH_TO_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64,
-                  torch.int32: np.int32, torch.bool: np.bool_, torch.uint8: np.uint8}
+                  torch.int32: np.int32, torch.bool: np.bool_, torch.uint8: np.uint8, torch.float64: np.float64}
 SCALAR_INPUTS = {"score_threshold": np.float32, "iou_threshold": np.float32, "max_detections": np.int64}
 
 

@@ -1,4 +1,4 @@
-"""`gpudet inspect MODEL`: what a model looks like to gpudet, and where ORT would copy to the host."""
+"""`gpudet inspect MODEL`: what a model looks like to gpudet, and where ORT places its nodes on a GPU."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import torch
 
 from .device import _cuda_problem
-from .engine import ModelError, TensorSpec, check_external_data, find_image_input
+from .engine import ORT_TO_TORCH, TORCH_TO_NUMPY, ModelError, TensorSpec, check_external_data, find_image_input
 from .postprocess import RETINANET_METADATA, detect_contract
 
 
@@ -24,10 +25,6 @@ def declared_io(model_path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
     session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
     return ([TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_inputs()],
             [TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_outputs()])
-
-
-NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-               "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_}
 
 
 def cuda_placement(model_path: Path, size_hw: tuple[int, int] | None, *, device_index: int = 0,
@@ -55,7 +52,7 @@ def cuda_placement(model_path: Path, size_hw: tuple[int, int] | None, *, device_
                      (size_hw[hw_axes.index(axis)] if arg.name == image.name and size_hw and axis in hw_axes else 1)
                      for axis, d in enumerate(arg.shape)]
             fill = np.zeros if arg.name == image.name else np.ones  # thresholds, counts: 1
-            feeds[arg.name] = fill(shape, NUMPY_TYPES.get(arg.type, np.float32))
+            feeds[arg.name] = fill(shape, TORCH_TO_NUMPY[ORT_TO_TORCH.get(arg.type, torch.float32)])
         session.run(None, feeds)
         events = json.loads(Path(session.end_profiling()).read_text())
     nodes = {e["name"].removesuffix("_kernel_time"): e["args"] for e in events
