@@ -25,8 +25,8 @@ import torch
 from .config import Config, load_config, option_overrides, resolve_model_path
 from .device import Device, resolve_device
 from .engine import Engine, ImageInput
-from .postprocess import (DeviceDetections, Detections, RetinaNetHeads, SsdHeads, detect_contract, end_to_end_device,
-                          to_device_meta)
+from .postprocess import (DeviceDetections, Detections, PackedDetections, RetinaNetHeads, SsdHeads, detect_contract,
+                          end_to_end_device, image_meta)
 from .preprocess import PreprocessedBatch, PreprocessFailure, Preprocessor
 from .source import EncodedImage, ImageError, ImageRef, list_images, read_batches
 
@@ -251,7 +251,7 @@ class Detector:
         p = self.config.postprocess
         input_hw = self.engine.image_input.size_hw or tuple(self.config.preprocess.size)
 
-        def decode(outputs, meta, num_images) -> DeviceDetections:
+        def decode(outputs, meta, num_images) -> DeviceDetections | PackedDetections:
             if self.contract == "end_to_end":  # the model did decode + NMS
                 return end_to_end_device(outputs, meta, score_threshold=p.score_threshold,
                                          max_detections=p.max_detections, num_landmarks=self.num_landmarks,
@@ -260,18 +260,16 @@ class Detector:
                 return self.retinanet_heads(outputs, meta, score_threshold=p.score_threshold,
                                             iou_threshold=p.iou_threshold, max_detections=p.max_detections,
                                             num_images=num_images)
-            args = dict(input_hw=input_hw, score_threshold=p.score_threshold, iou_threshold=p.iou_threshold,
-                        max_detections=p.max_detections, num_landmarks=self.num_landmarks, num_images=num_images)
-            found, converged = self.ssd_heads(outputs, meta, **args)
-            if not converged.all():  # a suppression chain longer than the default bound: finish exactly
-                found, _ = self.ssd_heads(outputs, meta, max_iterations=p.pre_nms_top_k, **args)
-            return found
+            return self.ssd_heads(outputs, meta, input_hw=input_hw, score_threshold=p.score_threshold,
+                                  iou_threshold=p.iou_threshold, max_detections=p.max_detections,
+                                  num_landmarks=self.num_landmarks, num_images=num_images)
 
         def postprocess(outputs, scale_yx, pad_yx, orig_hw, num_images):
             # torch on the device; one copy of the final detections to the host
-            found = decode(outputs, to_device_meta(scale_yx, pad_yx, orig_hw, self.device.torch), num_images)
+            found = decode(outputs, image_meta(scale_yx, pad_yx, orig_hw), num_images)
             if not on_device:
                 return found.to_host()
+            found = found.on_device()
             if self.device.is_cuda:  # done reading the engine's output buffers before they are reused
                 torch.cuda.current_stream(self.device.torch).synchronize()
             return found

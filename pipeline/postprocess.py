@@ -82,11 +82,17 @@ class Detections:
         return np.flatnonzero(self.batch_index == image)
 
 
+def image_meta(scale_yx: np.ndarray, pad_yx: np.ndarray, orig_hw: np.ndarray) -> torch.Tensor:
+    """[B, 6] float32 (scale_y, scale_x, pad_y, pad_x, height, width), on the host: what maps
+    model-input pixels back to each original image. The postprocess moves it where it runs."""
+    meta = np.concatenate([scale_yx, pad_yx, orig_hw.astype(np.float32)], axis=1).astype(np.float32)
+    return torch.from_numpy(meta)
+
+
 def to_device_meta(scale_yx: np.ndarray, pad_yx: np.ndarray, orig_hw: np.ndarray,
                    device: torch.device) -> torch.Tensor:
-    """[B, 6] float32 (scale_y, scale_x, pad_y, pad_x, height, width) on the device."""
-    meta = np.concatenate([scale_yx, pad_yx, orig_hw.astype(np.float32)], axis=1).astype(np.float32)
-    return torch.from_numpy(meta).to(device)
+    """image_meta on the device."""
+    return image_meta(scale_yx, pad_yx, orig_hw).to(device)
 
 
 @dataclass
@@ -106,6 +112,9 @@ class DeviceDetections:
             batch_index=torch.cat([p.batch_index for p in parts]), boxes_xyxy=torch.cat([p.boxes_xyxy for p in parts]),
             scores=torch.cat([p.scores for p in parts]), labels=torch.cat([p.labels for p in parts]),
             landmarks=None if parts[0].landmarks is None else torch.cat([p.landmarks for p in parts]))
+
+    def on_device(self) -> DeviceDetections:
+        return self
 
     def to_host(self) -> Detections:
         """One device-to-host copy of all columns, packed."""
@@ -129,6 +138,7 @@ def end_to_end_device(outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, s
     num_images: rows of the batch that are real images (the rest pad the batch); default all.
     """
     scores = outputs["scores"].float()
+    meta = meta.to(scores.device)
     image = outputs["batch_index"].long()
     labels = outputs["labels"].long() if "labels" in outputs else torch.zeros_like(image)
 
@@ -159,6 +169,95 @@ def to_original(points_xy: torch.Tensor, image: torch.Tensor, meta: torch.Tensor
     return torch.minimum(xy.clamp(min=0), size_wh[:, None])
 
 
+def kept_slots(keep: torch.Tensor, max_detections: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each image's kept candidates are, packed to the front: keep [B, K] bool (at most
+    max_detections per image, best first) -> index [B, D] (candidate of the image's d-th kept one;
+    clamped where there is none), count [B], present [B, D] (d < count). Static shapes, no sync."""
+    batch, k = keep.shape
+    kept_so_far = torch.cumsum(keep, dim=1)  # [B, K], non-decreasing
+    wanted = torch.arange(1, max_detections + 1, device=keep.device).expand(batch, -1).contiguous()
+    index = torch.searchsorted(kept_so_far, wanted).clamp_(max=k - 1)  # first candidate with that many kept
+    count = kept_so_far[:, -1]
+    return index, count, wanted <= count[:, None]
+
+
+def pack_rows(columns: torch.Tensor, count: torch.Tensor, present: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+    """columns [B, D, C] float32 (each image's kept detections, packed to the front) -> the block
+    the host reads, [1 + D, B, C]: row 0 holds each image's (count, flag, 0, ...), row 1 + d each
+    image's d-th detection (zeros past its count). Slot-major, so the first 1 + P rows are one
+    contiguous copy that holds every image's first P detections."""
+    batch, _, width = columns.shape
+    header = torch.cat([count.float()[:, None], flag.float()[:, None], columns.new_zeros(batch, width - 2)], dim=1)
+    return torch.cat([header[None], (columns * present[..., None]).transpose(0, 1)], dim=0)
+
+
+def box_columns(labels: torch.Tensor, scores: torch.Tensor, boxes: torch.Tensor, meta: torch.Tensor) -> list:
+    """Columns label, score, x1 y1 x2 y2 (original pixels) of rows [B, D] of a batch."""
+    batch, rows = scores.shape
+    image = torch.arange(batch, device=scores.device)[:, None].expand(-1, rows).reshape(-1)
+    boxes = to_original(boxes.reshape(-1, 2, 2), image, meta).reshape(batch, rows, 4)
+    return [labels.float()[..., None], scores.float()[..., None], boxes]
+
+
+@dataclass
+class PackedDetections:
+    """A batch's final detections as the heads postprocess leaves them, read by the host once.
+
+    block: [1 + D, B, C] float32 on the device (pack_rows): row 0 per image (count, flag), row
+    1 + d image b's d-th detection, columns label, score, x1 y1 x2 y2 (original pixels), then
+    (x, y) per landmark. host: its first 1 + P rows, P >= every image's count. Images past
+    num_images pad the batch and are dropped here."""
+
+    block: torch.Tensor
+    host: np.ndarray
+    num_landmarks: int
+    num_images: int
+
+    @property
+    def counts(self) -> np.ndarray:
+        return self.host[0, :self.num_images, 0].astype(np.int64)
+
+    def to_host(self) -> Detections:
+        counts = self.counts
+        rows = np.concatenate([self.host[1:1 + n, b] for b, n in enumerate(counts)]) if len(counts) else \
+            np.zeros((0, self.host.shape[2]), np.float32)
+        return Detections(batch_index=np.repeat(np.arange(len(counts)), counts), labels=rows[:, 0].astype(np.int64),
+                          scores=rows[:, 1].copy(), boxes_xyxy=rows[:, 2:6].copy(),
+                          landmarks=rows[:, 6:].reshape(len(rows), self.num_landmarks, 2).copy()
+                          if self.num_landmarks else None)
+
+    def on_device(self) -> DeviceDetections:
+        """The same rows as torch tensors on the device (fresh: the block is reused next batch)."""
+        counts = self.counts
+        rows = torch.cat([self.block[1:1 + n, b] for b, n in enumerate(counts.tolist())]) if len(counts) else \
+            self.block.new_zeros(0, self.block.shape[2])
+        image = torch.repeat_interleave(torch.arange(len(counts), device=rows.device),
+                                        torch.from_numpy(counts).to(rows.device), output_size=len(rows))
+        return DeviceDetections(batch_index=image, labels=rows[:, 0].long(), scores=rows[:, 1].contiguous(),
+                                boxes_xyxy=rows[:, 2:6].contiguous(),
+                                landmarks=rows[:, 6:].reshape(len(rows), self.num_landmarks, 2)
+                                if self.num_landmarks else None)
+
+
+class BlockReader:
+    """Reads a packed block's first 1 + P rows to the host: one copy, one sync per batch. P is
+    the smallest power of two that held every image's detections so far (at least 16), so the
+    copy is as small as the batches need: RetinaFace's block has room for 750 faces per image, a
+    batch of photos uses a few. A batch with more reads the rest in a second copy and raises P."""
+
+    def __init__(self, first: int = 16):
+        self.rows = first
+
+    def __call__(self, block: torch.Tensor) -> np.ndarray:
+        rows = min(self.rows, block.shape[0] - 1)
+        host = block[:1 + rows].cpu().numpy()
+        most = int(host[0, :, 0].max()) if host.shape[1] else 0
+        if most > rows:
+            host = np.concatenate([host, block[1 + rows:1 + most].cpu().numpy()])
+            self.rows = min(1 << (most - 1).bit_length(), block.shape[0] - 1)
+        return host
+
+
 def end_to_end(outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, score_threshold: float,
                max_detections: int, num_landmarks: int, num_images: int | None = None) -> Detections:
     """end_to_end_device, then the one device-to-host copy."""
@@ -170,43 +269,49 @@ class GraphCache:
     """Runs a function with static shapes and no host sync from CUDA graphs, captured once per set
     of input buffers (the engine's output buffers, the same every batch) and replayed: the ~200
     small kernels of a heads postprocess become one launch (H200, RetinaNet batch 16: 5.6 ms per
-    batch launched one by one, 3.6 ms replayed). The function's last positional argument is the
-    number of real images, a [] int64 device tensor filled before each replay. Outputs are the
-    graph's own tensors: valid until its next replay. On the CPU, or if a capture fails (logged
-    once), the function simply runs."""
+    batch launched one by one, 3.6 ms replayed).
+
+    fn(*buffers, *staged, **options): `buffers` are read in place (a new buffer is a new graph);
+    `staged` are small tensors that change every batch (the image count, the letterbox meta),
+    copied into the graph's own before each replay. Outputs are the graph's own tensors: valid
+    until its next replay. On the CPU, or if a capture fails (logged once), fn simply runs."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.enabled = device.type == "cuda"
         self._graphs: dict[tuple, tuple] = {}
 
-    def __call__(self, fn, tensors: tuple[torch.Tensor, ...], num_images: int, **options):
+    def __call__(self, fn, buffers: tuple[torch.Tensor, ...], staged: tuple[torch.Tensor, ...], **options):
         if self.enabled:
             try:
-                return self._replay(fn, tensors, num_images, options)
+                return self._replay(fn, buffers, staged, options)
             except RuntimeError as e:  # a capture this torch/driver refuses: run the kernels one by one
                 log.warning("postprocess: CUDA graph capture failed, running without (%s)", e)
                 self.enabled = False
-        return fn(*tensors, torch.tensor(num_images, device=self.device), **options)
+        return fn(*buffers, *(t.to(self.device) for t in staged), **options)
 
-    def _replay(self, fn, tensors, num_images: int, options: dict):
-        buffers = tuple((t.data_ptr(), t.shape, t.dtype) for t in tensors)
-        key = (fn.__qualname__, buffers, tuple(sorted(options.items())))
+    def _replay(self, fn, buffers, staged, options: dict):
+        key = (fn.__qualname__, tuple((t.data_ptr(), t.shape, t.dtype) for t in buffers),
+               tuple((t.shape, t.dtype) for t in staged), tuple(sorted(options.items())))
         if key not in self._graphs:
-            count = torch.zeros((), dtype=torch.int64, device=self.device)
+            inputs = tuple(t.to(self.device, copy=True) for t in staged)
+            pinned = tuple(torch.empty_like(t, device="cpu").pin_memory() for t in staged)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up outside the capture (allocations, library handles)
                 for _ in range(2):
-                    fn(*tensors, count, **options)
+                    fn(*buffers, *inputs, **options)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread_local: ORT and DALI keep working on their own threads and streams meanwhile.
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                outputs = fn(*tensors, count, **options)
-            self._graphs[key] = (graph, count, outputs)
-        graph, count, outputs = self._graphs[key]
-        count.fill_(num_images)
+                outputs = fn(*buffers, *inputs, **options)
+            self._graphs[key] = (graph, inputs, pinned, outputs)
+        graph, inputs, pinned, outputs = self._graphs[key]
+        # A few bytes from the host, ordered before the replay, without a sync. The pinned copy is
+        # not rewritten before the copy ran: the caller reads this graph's outputs (a sync) first.
+        for target, page, value in zip(inputs, pinned, staged):
+            target.copy_(page.copy_(value), non_blocking=True)
         graph.replay()
         return outputs
 
@@ -253,7 +358,8 @@ class SsdHeads:
         self.device = device
         self._anchors: dict[tuple[int, int], torch.Tensor] = {}
         self.graphs = GraphCache(device)
-        self._kept = maybe_compiled(self.kept, device, compile)
+        self.reader = BlockReader()
+        self._packed = maybe_compiled(self.packed, device, compile)
 
     def anchors(self, height: int, width: int) -> torch.Tensor:
         """[A, 4] (cx, cy, w, h) in input pixels, in the heads' order: per stride, row, column, size."""
@@ -272,7 +378,8 @@ class SsdHeads:
         return self._anchors[key]
 
     def kept(self, loc: torch.Tensor, conf: torch.Tensor, num_images: torch.Tensor, *, input_hw: tuple[int, int],
-             score_threshold: float, iou_threshold: float, max_detections: int, max_iterations: int):
+             score_threshold: float, iou_threshold: float, max_detections: int, max_iterations: int,
+             sync_every: int = 0):
         """The static-shape part: top-k, decode, NMS. num_images: [] int64 tensor. Returns scores
         [B, k], index [B, k] (anchors), boxes [B, k, 4] x1y1x2y2 input pixels, keep [B, k] (capped
         at max_detections per image) and converged [B], all on the device."""
@@ -288,35 +395,51 @@ class SsdHeads:
         wh = prior[..., 2:] * torch.exp(coded[..., 2:] * size_var)
         boxes = torch.cat([centers - wh / 2, centers + wh / 2], dim=-1)
         keep, converged = batched_nms(boxes, scores, torch.zeros_like(index), valid, iou_threshold=iou_threshold,
-                                      max_iterations=max_iterations)
+                                      max_iterations=max_iterations, sync_every=sync_every)
         keep &= torch.cumsum(keep, dim=1) <= max_detections  # best first, so this caps per image
         return scores, index, boxes, keep, converged
 
+    def packed(self, *tensors: torch.Tensor, num_landmarks: int, **options) -> torch.Tensor:
+        """kept, then the final rows packed for the host (pack_rows; flag: NMS converged).
+        tensors: loc, conf, [landmarks if num_landmarks,] num_images [] int64, meta [B, 6]."""
+        loc, conf, *landmarks, num_images, meta = tensors
+        scores, index, boxes, keep, converged = self.kept(loc, conf, num_images, **options)
+        slot, count, present = kept_slots(keep, options["max_detections"])
+        anchor = index.gather(1, slot)  # [B, D]
+        columns = box_columns(torch.zeros_like(anchor), scores.gather(1, slot),
+                              boxes.gather(1, slot[..., None].expand(-1, -1, 4)), meta)
+        if num_landmarks:
+            prior = self.anchors(*options["input_hw"])[anchor]  # [B, D, 4]
+            coded = landmarks[0].float().gather(1, anchor[..., None].expand(-1, -1, 2 * num_landmarks))
+            points = prior[..., None, :2] + coded.reshape(*anchor.shape, num_landmarks, 2) * self.variances[0] * \
+                prior[..., None, 2:]
+            image = torch.arange(len(anchor), device=anchor.device)[:, None].expand_as(anchor).reshape(-1)
+            columns.append(to_original(points.reshape(-1, num_landmarks, 2), image, meta).reshape(*anchor.shape, -1))
+        return pack_rows(torch.cat(columns, dim=-1), count, present, converged)
+
     def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, input_hw: tuple[int, int],
                  score_threshold: float, iou_threshold: float, max_detections: int, num_landmarks: int,
-                 num_images: int | None = None,
-                 max_iterations: int = NMS_STEPS) -> tuple[DeviceDetections, torch.Tensor]:
-        """Final detections on the device, and per image whether NMS converged within max_iterations."""
+                 num_images: int | None = None) -> PackedDetections:
+        """Final detections of the batch, read by the host once. meta: image_meta, [B, 6]. An image
+        whose NMS did not converge in NMS_STEPS (a suppression chain that long is rare) is done
+        again alone, exactly."""
         options = dict(input_hw=tuple(input_hw), score_threshold=score_threshold, iou_threshold=iou_threshold,
-                       max_detections=max_detections, max_iterations=max_iterations)
+                       max_detections=max_detections, num_landmarks=num_landmarks)
         num_images = len(outputs["loc"]) if num_images is None else num_images
-        if max_iterations > NMS_STEPS:  # the rare exact rerun (detector): not worth a graph of its own
-            count = torch.tensor(num_images, device=self.device)
-            scores, index, boxes, keep, converged = self.kept(outputs["loc"], outputs["conf"], count, **options)
-        else:
-            scores, index, boxes, keep, converged = self.graphs(self._kept, (outputs["loc"], outputs["conf"]),
-                                                                num_images, **options)
-        image, slot = keep.nonzero(as_tuple=True)  # one sync for the count; rows by image, then score
-        landmarks = None
-        if num_landmarks:
-            center_var = self.variances[0]
-            coded = outputs["landmarks"][image, index[image, slot]].float().reshape(-1, num_landmarks, 2)
-            p = self.anchors(*input_hw)[index[image, slot]]
-            landmarks = to_original(p[:, None, :2] + coded * center_var * p[:, None, 2:], image, meta)
-        found = DeviceDetections(batch_index=image, boxes_xyxy=to_original(boxes[image, slot].reshape(-1, 2, 2), image,
-                                                                           meta).reshape(-1, 4),
-                                 scores=scores[image, slot], labels=torch.zeros_like(image), landmarks=landmarks)
-        return found, converged
+        buffers = (outputs["loc"], outputs["conf"]) + ((outputs["landmarks"],) if num_landmarks else ())
+        block = self.graphs(self._packed, buffers, (torch.tensor(num_images), meta), max_iterations=NMS_STEPS,
+                            **options)
+        host = self.reader(block)
+        redo = [b for b in range(num_images) if not host[0, b, 1]]
+        if redo:  # exact: up to pre_nms_top_k steps, checking for convergence every 8
+            rows = torch.tensor(redo, device=block.device)
+            again = self.packed(*(t[rows] for t in buffers), torch.tensor(len(redo), device=block.device),
+                                meta[redo].to(block.device), max_iterations=self.pre_nms_top_k, sync_every=8,
+                                **options)
+            block = block.clone()
+            block[:, rows] = again
+            host = block.cpu().numpy()
+        return PackedDetections(block=block, host=host, num_landmarks=num_landmarks, num_images=num_images)
 
 
 RETINANET_METADATA = "gpudet.retinanet"
@@ -385,7 +508,8 @@ class RetinaNetHeads:
         self.box_limits = torch.tensor([width, height, width, height], dtype=torch.float32, device=device)
         self.graphs = GraphCache(device)
         self.graphs.enabled &= cuda_graphs
-        self._kept = maybe_compiled(self.kept, device, compile)
+        self.reader = BlockReader()
+        self._packed = maybe_compiled(self.packed, device, compile)
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, str], model_path: Path, device: torch.device,
@@ -437,18 +561,35 @@ class RetinaNetHeads:
                                 prefix=self.nms_prefix)
         return scores, labels, boxes, valid, keep, settled
 
+    def packed(self, logits: torch.Tensor, regression: torch.Tensor, num_images: torch.Tensor, meta: torch.Tensor, *,
+               max_detections: int, **options):
+        """kept, then the final rows packed for the host (pack_rows; flag: settled). Returns the
+        block and kept's tensors (for the exact path of an unsettled image)."""
+        scores, labels, boxes, valid, keep, settled = self.kept(logits, regression, num_images,
+                                                                max_detections=max_detections, **options)
+        return self.pack(scores, labels, boxes, keep, settled, meta, max_detections), (scores, labels, boxes, valid, keep)
+
+    @staticmethod
+    def pack(scores, labels, boxes, keep, flag, meta, max_detections: int) -> torch.Tensor:
+        slot, count, present = kept_slots(keep, max_detections)
+        columns = box_columns(labels.gather(1, slot), scores.gather(1, slot),
+                              boxes.gather(1, slot[..., None].expand(-1, -1, 4)), meta)
+        return pack_rows(torch.cat(columns, dim=-1), count, present, flag)
+
     def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, score_threshold: float,
-                 iou_threshold: float, max_detections: int, num_images: int | None = None) -> DeviceDetections:
+                 iou_threshold: float, max_detections: int, num_images: int | None = None) -> PackedDetections:
+        """Final detections of the batch, read by the host once. meta: image_meta, [B, 6]."""
         logits, regression = outputs["cls_logits"], outputs["bbox_regression"]
         num_images = len(logits) if num_images is None else num_images
-        scores, labels, boxes, valid, keep, settled = self.graphs(
-            self._kept, (logits, regression), num_images, score_threshold=score_threshold, iou_threshold=iou_threshold,
-            max_detections=max_detections)
-        if not settled.all():  # one host check; the nonzero below syncs anyway
-            unsettled = (~settled).nonzero()[:, 0].tolist()
+        block, (scores, labels, boxes, valid, keep) = self.graphs(
+            self._packed, (logits, regression), (torch.tensor(num_images), meta), score_threshold=score_threshold,
+            iou_threshold=iou_threshold, max_detections=max_detections)
+        host = self.reader(block)
+        unsettled = [b for b in range(num_images) if not host[0, b, 1]]
+        if unsettled:  # the rare image that needs more than the graph's prefix or steps: exact, alone
             keep = exact_nms(boxes, scores, labels, valid, iou_threshold=iou_threshold, max_kept=max_detections,
                              images=unsettled, keep=keep)
-        image, slot = keep.nonzero(as_tuple=True)  # rows by image, then score
-        return DeviceDetections(batch_index=image, boxes_xyxy=to_original(boxes[image, slot].reshape(-1, 2, 2), image,
-                                                                          meta).reshape(-1, 4),
-                                scores=scores[image, slot], labels=labels[image, slot], landmarks=None)
+            block = self.pack(scores, labels, boxes, keep, torch.ones_like(valid[:, 0]), meta.to(block.device),
+                              max_detections)
+            host = block.cpu().numpy()
+        return PackedDetections(block=block, host=host, num_landmarks=0, num_images=num_images)

@@ -41,7 +41,7 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.device import resolve_device  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 from pipeline import nms  # noqa: E402
-from pipeline.postprocess import Compiled, GraphCache, RetinaNetHeads, to_device_meta  # noqa: E402
+from pipeline.postprocess import Compiled, GraphCache, RetinaNetHeads, image_meta  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "retinanet_r50_coco.yaml"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to try this script out
@@ -148,7 +148,7 @@ def postprocess(files: dict[str, Path], model: torch.nn.Module, batch: int, size
     outputs = {k: v.clone() for k, v in engine.run(x).items()}
     post = RetinaNetHeads.from_metadata(engine.metadata, files["heads_fp16"], torch.device(DEVICE))
     ones, zeros = np.ones((batch, 2), np.float32), np.zeros((batch, 2), np.float32)
-    meta = to_device_meta(ones, zeros, np.array([size_hw] * batch), torch.device(DEVICE))
+    meta = image_meta(ones, zeros, np.array([size_hw] * batch))  # on the host, as the detector passes it
     results = {}
     for threshold in (0.05, 0.0):
         found = post(outputs, meta, score_threshold=threshold, iou_threshold=0.5, max_detections=300)
@@ -157,7 +157,7 @@ def postprocess(files: dict[str, Path], model: torch.nn.Module, batch: int, size
                       iterations=iterations)
         results[f"gpudet heads postprocess score>{threshold}"] = {
             **summary(times, batch), "candidates_per_image": round(float((scores > threshold).sum()) / batch),
-            "detections_per_image": round(len(found.scores) / batch, 1)}
+            "detections_per_image": round(len(found.to_host().scores) / batch, 1)}
         log(f"postprocess {threshold}: {results[f'gpudet heads postprocess score>{threshold}']}")
     results["gpudet heads postprocess stages score>0.0"] = stages = postprocess_stages(post, outputs, batch, iterations)
     log(f"postprocess stages: {stages}")
@@ -172,7 +172,7 @@ def postprocess(files: dict[str, Path], model: torch.nn.Module, batch: int, size
                                            max_detections=300), iterations=iterations)
             key = f"gpudet heads postprocess compiled score>{threshold}"
             results[key] = {**summary(times, batch), "first_call_s": round(first_call, 1),
-                            "detections_per_image": round(len(found.scores) / batch, 1)}
+                            "detections_per_image": round(len(found.to_host().scores) / batch, 1)}
             log(f"{key}: {results[key]}")
         results["gpudet heads postprocess compiled stages score>0.0"] = stages = postprocess_stages(
             compiled, outputs, batch, iterations, compile=True)
@@ -195,9 +195,12 @@ def postprocess(files: dict[str, Path], model: torch.nn.Module, batch: int, size
 
 def postprocess_stages(post: RetinaNetHeads, outputs: dict, batch: int, iterations: int, compile: bool = False) -> dict:
     """Where the heads postprocess spends its time at score 0 (the worst case): its parts replayed
-    as CUDA graphs (on the CPU, run), cumulative; the fixed-point steps the images needed; and on a
-    GPU the heaviest kernels of one eager run by device time."""
+    as CUDA graphs (on the CPU, run), cumulative up to the whole graph (packed rows); the
+    fixed-point steps the images needed; and on a GPU the heaviest kernels of one run of the whole
+    graph's function, launched one by one (compiled: the Triton kernels), by device time."""
     logits, regression, m = outputs["cls_logits"], outputs["bbox_regression"], post.nms_prefix
+    meta = image_meta(np.ones((batch, 2), np.float32), np.zeros((batch, 2), np.float32),
+                      np.array([post.input_hw] * batch))
 
     def candidates(logits, regression, count):
         return post.candidates(logits, regression)
@@ -216,24 +219,30 @@ def postprocess_stages(post: RetinaNetHeads, outputs: dict, batch: int, iteratio
     parts += [(f"+ {steps} NMS steps", kept, {"steps": steps}) for steps in ((16,) if compile else (4, 8, 16, 32))]
     for name, fn, options in parts:
         fn = Compiled(fn) if compile else fn
-        times = timed(lambda: graphs(fn, (logits, regression), batch, **options), iterations=iterations)
+        times = timed(lambda: graphs(fn, (logits, regression), (torch.tensor(batch),), **options),
+                      iterations=iterations)
         results[f"{name} ms"] = round(1e3 * statistics.median(times), 3)
-    if compile:
-        return results
-    scores, labels, boxes = post.candidates(logits, regression)
-    by = nms.suppressors(boxes[:, :m], labels[:, :m], scores[:, :m] > 0, iou_threshold=0.5)
-    steps = next(s for s in range(1, m + 1) if bool(nms.fixed_point(by, scores[:, :m] > 0, max_iterations=s)[1].all()))
-    results["fixed-point steps the batch needed"] = steps
+    whole = dict(score_threshold=0.0, iou_threshold=0.5, max_detections=300)
+    times = timed(lambda: graphs(post._packed, (logits, regression), (torch.tensor(batch), meta), **whole),
+                  iterations=iterations)
+    results["+ packed rows (the whole graph) ms"] = round(1e3 * statistics.median(times), 3)
+    if not compile:
+        scores, labels, boxes = post.candidates(logits, regression)
+        by = nms.suppressors(boxes[:, :m], labels[:, :m], scores[:, :m] > 0, iou_threshold=0.5)
+        steps = next(s for s in range(1, m + 1)
+                     if bool(nms.fixed_point(by, scores[:, :m] > 0, max_iterations=s)[1].all()))
+        results["fixed-point steps the batch needed"] = steps
     if DEVICE == "cuda":
         from torch.profiler import ProfilerActivity, profile
-        count = torch.tensor(batch, device=DEVICE)
+        count, meta_device = torch.tensor(batch, device=DEVICE), meta.to(DEVICE)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            post.kept(logits, regression, count, score_threshold=0.0, iou_threshold=0.5, max_detections=300)
+            post._packed(logits, regression, count, meta_device, **whole)
             sync()
         kernels = sorted(prof.key_averages(), key=lambda e: -getattr(e, "self_device_time_total", 0))
-        results["heaviest kernels (eager, us: count)"] = {
+        how = "compiled" if compile else "eager"
+        results[f"heaviest kernels ({how}, us: count)"] = {
             e.key[:90]: f"{e.self_device_time_total:.0f}: {e.count}" for e in kernels[:14]}
-        results["all kernels (eager, us)"] = round(sum(getattr(e, "self_device_time_total", 0) for e in kernels))
+        results[f"all kernels ({how}, us)"] = round(sum(getattr(e, "self_device_time_total", 0) for e in kernels))
     return results
 
 

@@ -162,8 +162,9 @@ def test_external_data_outside_the_model_folder_is_refused(tmp_path):
 
 @pytest.mark.cuda
 def test_ssd_heads_postprocess_copies_only_the_final_detections(tmp_path):
-    """Raw heads bound to static buffers, decoded + NMS'd in torch: the only sizable D2H copy is
-    the final rows (plus the kept count and NMS's convergence flag)."""
+    """Raw heads bound to static buffers, decoded + NMS'd in torch: one device-to-host copy per
+    batch, the packed final rows (each image's count and flag, then as many rows per image as the
+    batch needs, rounded up to a power of two)."""
     from torch.profiler import ProfilerActivity, profile
 
     from pipeline import Detector
@@ -177,8 +178,11 @@ def test_ssd_heads_postprocess_copies_only_the_final_detections(tmp_path):
         (batch, found), = list(detector.stream(refs, on_error=lambda errors: None))
     prof.export_chrome_trace(str(tmp_path / "trace.json"))
     copies = dtoh_copies(tmp_path / "trace.json")
-    final_bytes = len(found.scores) * (3 + 4 + 10) * 4
+    rows = detector.ssd_heads.reader.rows
+    most = int(np.bincount(found.batch_index).max())
+    block_bytes = (1 + rows) * 12 * (6 + 10) * 4
     heads_bytes = 12 * ANCHORS_640 * (4 + 2 + 10) * 4
-    print(f"ssd_heads: {len(found.scores)} detections, final rows {final_bytes} B, D2H copies {copies}")
-    assert sorted(copies)[-1] == final_bytes and sum(copies) <= final_bytes + 64
-    assert sum(copies) < heads_bytes / 1000
+    print(f"ssd_heads: {len(found.scores)} detections (at most {most} per image), rows read {rows}, "
+          f"D2H copies {copies}")
+    assert copies == [block_bytes] and rows == max(16, 1 << (most - 1).bit_length())
+    assert sum(copies) < heads_bytes / 100

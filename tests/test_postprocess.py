@@ -99,17 +99,92 @@ def test_ssd_heads_contract_is_recognised(tmp_path):
 @cpu_and_cuda()
 def test_graph_cache_replays_on_what_the_buffers_hold_now(device):
     """One capture per buffer; every replay computes from the buffer's current contents and the
-    current image count (the engine overwrites its output buffers every batch)."""
+    current staged values (the engine overwrites its output buffers every batch; the image count
+    and the letterbox meta change with every batch)."""
     from pipeline.postprocess import GraphCache
 
     cache = GraphCache(torch.device(device))
     buffer = torch.zeros(4, 8, device=device)
 
-    def fn(x, num_images, *, scale):
-        return x * scale * (torch.arange(len(x), device=x.device)[:, None] < num_images)
+    def fn(x, num_images, offset, *, scale):
+        return x * scale * (torch.arange(len(x), device=x.device)[:, None] < num_images) + offset
 
     for step, num_images in enumerate((4, 3, 1)):
         buffer.copy_(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(device))
-        out = cache(fn, (buffer,), num_images, scale=2.0)
-        torch.testing.assert_close(out, fn(buffer, torch.tensor(num_images, device=device), scale=2.0))
+        offset = torch.full((8,), float(step))
+        out = cache(fn, (buffer,), (torch.tensor(num_images), offset), scale=2.0)
+        torch.testing.assert_close(out, fn(buffer, torch.tensor(num_images, device=device), offset.to(device),
+                                           scale=2.0))
     assert cache.enabled == (device == "cuda") and len(cache._graphs) == (1 if device == "cuda" else 0)
+
+
+@cpu_and_cuda()
+def test_packed_rows_hold_each_images_kept_detections_best_first(device):
+    """kept_slots + pack_rows + PackedDetections against a plain per-image nonzero: the same rows,
+    on the host and on the device; padding images dropped; an image with more detections than
+    the reader's first copy holds is read in a second copy, and the next batch's copy is larger."""
+    from pipeline.postprocess import BlockReader, PackedDetections, box_columns, kept_slots, pack_rows
+
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    batch, k, cap = 4, 200, 120
+    keep = torch.rand(batch, k, generator=g) < torch.tensor([[0.05], [0.0], [0.5], [0.3]])
+    keep &= torch.cumsum(keep, 1) <= cap  # image 2 keeps ~100 (> 16, the first copy), image 1 none
+    scores = torch.sort(torch.rand(batch, k, generator=g), dim=1, descending=True).values
+    labels = torch.randint(0, 91, (batch, k), generator=g)
+    xy = torch.rand(batch, k, 2, generator=g) * 300
+    boxes = torch.cat([xy, xy + 20], dim=2)
+    meta = meta_for(device, [[2.0, 2.0]] * batch, [[200, 150]] * batch)
+    keep, scores, labels, boxes = (t.to(dev) for t in (keep, scores, labels, boxes))
+
+    slot, count, present = kept_slots(keep, cap)
+    columns = box_columns(labels.gather(1, slot), scores.gather(1, slot),
+                          boxes.gather(1, slot[..., None].expand(-1, -1, 4)), meta)
+    block = pack_rows(torch.cat(columns, -1), count, present, torch.ones(batch, dtype=torch.bool, device=dev))
+    reader = BlockReader()
+    found = PackedDetections(block=block, host=reader(block), num_landmarks=0, num_images=3).to_host()
+    most = int(keep.sum(1).max())
+    assert most > 16 and reader.rows == min(1 << (most - 1).bit_length(), cap)  # read twice, then wider
+
+    image, candidate = keep[:3].nonzero(as_tuple=True)
+    assert found.batch_index.tolist() == image.tolist()
+    assert np.array_equal(found.scores, scores[image, candidate].cpu().numpy())
+    assert np.array_equal(found.labels, labels[image, candidate].cpu().numpy())
+    expected = (boxes[image, candidate] / 2).clamp(min=0).cpu().numpy()
+    expected = np.minimum(expected, [150, 200, 150, 200])
+    assert np.allclose(found.boxes_xyxy, expected)
+    on_device = PackedDetections(block=block, host=reader(block), num_landmarks=0, num_images=3).on_device()
+    assert on_device.scores.device.type == device
+    assert np.array_equal(on_device.to_host().scores, found.scores)
+    assert np.array_equal(on_device.to_host().batch_index, found.batch_index)
+
+
+@cpu_and_cuda()
+def test_ssd_heads_finish_an_image_that_does_not_converge_exactly(device, monkeypatch):
+    """With one in-graph NMS step, some images' suppression chains do not settle: those images (and
+    only those) are done again exactly, and the detections are those of the default steps."""
+    from pipeline import Detector, postprocess
+    from pipeline.source import list_images
+
+    def detections():
+        detector = Detector.from_config(ROOT / "configs" / "retinaface_mnet025_heads.yaml", device=device,
+                                        batch_size=8, overrides=["postprocess.score_threshold=0.5"])
+        (batch, found), = list(detector.stream(list_images(SAMPLES), on_error=lambda errors: None))
+        return found, detector.ssd_heads
+
+    expected, _ = detections()
+    monkeypatch.setattr(postprocess, "NMS_STEPS", 1)
+    redone = []
+    packed = postprocess.SsdHeads.packed
+
+    def spy(self, *tensors, **options):
+        if options.get("sync_every"):
+            redone.append(len(tensors[0]))
+        return packed(self, *tensors, **options)
+
+    monkeypatch.setattr(postprocess.SsdHeads, "packed", spy)
+    found, _ = detections()
+    assert redone and 0 < redone[0] < 6, redone  # some images, not all six
+    assert found.batch_index.tolist() == expected.batch_index.tolist()
+    assert np.array_equal(found.scores, expected.scores) and np.allclose(found.boxes_xyxy, expected.boxes_xyxy)
+    assert np.allclose(found.landmarks, expected.landmarks)
