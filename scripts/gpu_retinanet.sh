@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # RetinaNet on the H200 (issues 3, 4, 7): the GPU tests, the side-by-side benchmark, and with two
 # GPUs the --devices and Ray runs. Usage (GPU machine, wheels installed, PYTHONPATH set):
-#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|retinaface|latency|scale
+#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|retinaface|probe|latency|scale
 set -uo pipefail
 OUT=${OUT:-/tmp/gpudet-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -36,6 +36,19 @@ case "${1:-}" in
         --latency "${LATENCY:-200}" ${2:+--set $2} --json "$OUT/bench_$tag.json" 2>&1 | quiet | tee -a "$OUT/bench_retinaface.txt"
     done
     ;;
+  probe)  # RetinaFace: the engine per ORT setting (fp32 / fp16 heads), DALI per thread count, then gpudet bench
+    images
+    [ -f models/retinaface_mnet025_heads_640_fp16.onnx ] || $PY scripts/build_retinaface.py --heads-only 640 640 \
+      --fp16 --out models/retinaface_mnet025_heads_640_fp16.onnx
+    $PY scripts/probe_retinaface.py /tmp/imgset/jpg_abs.txt --models models/retinaface_mnet025_heads_640.onnx \
+      models/retinaface_mnet025_heads_640_fp16.onnx --json "$OUT/probe_retinaface.json" 2>&1 | quiet | tee "$OUT/probe.txt"
+    for run in ${RUNS:-"retinaface_mnet025_heads"}; do  # RUNS: "config[,key=value,...]" words
+      cfg=${run%%,*}; sets=$(echo "$run" | tr ',' '\n' | tail -n +2 | sed 's/^/--set /' | tr '\n' ' ')
+      tag=$(echo "$run" | tr -cd '[:alnum:]_')
+      $PY -m pipeline bench /tmp/imgset/jpg_abs.txt --config configs/$cfg.yaml --device cuda --limit 4000 --skip-naive \
+        $sets --json "$OUT/bench_$tag.json" 2>&1 | quiet | tee -a "$OUT/probe.txt"
+    done
+    ;;
   latency)  # batch-1 latency of RetinaNet: a batch-1 heads model through gpudet bench --latency
     [ -f $WORK/retinanet_heads_fp16_b1.onnx ] || $PY scripts/export_retinanet.py --contract retinanet_heads --fp16 \
       --batch-size 1 --out $WORK/retinanet_heads_fp16_b1.onnx 2>&1 | quiet | tail -2
@@ -66,5 +79,5 @@ print("one GPU, img/s after setup:", a["images_per_s"], "| two workers, per work
       [w.get("images_per_s") for w in b.get("workers", [])], "| wall totals:", a["seconds"]["total"], b["seconds"]["total"])
 PY
     ;;
-  *) echo "usage: $0 tests|bench|profile|retinaface|latency|scale" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|profile|retinaface|probe|latency|scale" >&2; exit 2 ;;
 esac
