@@ -164,7 +164,8 @@ def end_to_end_device(outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, s
 def to_original(points_xy: torch.Tensor, image: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     """[M, P, 2] model-input pixels of the images `image` [M] -> original pixels, clipped."""
     per_row = meta[image]  # [M, 6]
-    scale_xy, pad_xy, size_wh = per_row[:, [1, 0]], per_row[:, [3, 2]], per_row[:, [5, 4]]
+    # (y, x) pairs flipped by slicing: a list index would copy from the host (not in a CUDA graph)
+    scale_xy, pad_xy, size_wh = per_row[:, 0:2].flip(1), per_row[:, 2:4].flip(1), per_row[:, 4:6].flip(1)
     xy = (points_xy.float() - pad_xy[:, None]) / scale_xy[:, None]
     return torch.minimum(xy.clamp(min=0), size_wh[:, None])
 

@@ -178,6 +178,7 @@ def test_ssd_heads_postprocess_copies_only_the_final_detections(tmp_path):
         (batch, found), = list(detector.stream(refs, on_error=lambda errors: None))
     prof.export_chrome_trace(str(tmp_path / "trace.json"))
     copies = dtoh_copies(tmp_path / "trace.json")
+    assert detector.ssd_heads.graphs.enabled and detector.ssd_heads.graphs._graphs  # replayed as a CUDA graph
     rows = detector.ssd_heads.reader.rows
     most = int(np.bincount(found.batch_index).max())
     block_bytes = (1 + rows) * 12 * (6 + 10) * 4

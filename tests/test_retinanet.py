@@ -295,11 +295,16 @@ def test_heads_buffers_are_reused_and_postprocess_copies_only_the_final_detectio
         (batch, found), = list(detector.stream(refs, on_error=lambda errors: None))
     prof.export_chrome_trace(str(tmp_path / "trace.json"))
     copies = dtoh_copies(tmp_path / "trace.json")
-    rows = detector.retinanet_heads.reader.rows
+    heads = detector.retinanet_heads
+    assert heads.graphs.enabled and len(heads.graphs._graphs) == 2  # one CUDA graph per output buffer set
+    rows = heads.reader.rows
     block_bytes = (1 + rows) * BATCH * 6 * 4  # per image count and flag, then its rows
     heads_bytes = BATCH * 49104 * (91 + 4) * 4
     print(f"retinanet_heads: {len(found.scores)} detections, rows read {rows}, D2H copies {copies}")
-    assert copies == [block_bytes] and rows >= np.bincount(found.batch_index).max()
+    # The block's read; again, whole, if an image needed the exact path (its syncs: a few bytes each).
+    blocks, flags = [c for c in copies if c > 64], [c for c in copies if c <= 64]
+    assert blocks[0] == block_bytes and rows >= np.bincount(found.batch_index).max()
+    assert len(blocks) <= 2 and all(c == (1 + 300) * BATCH * 6 * 4 for c in blocks[1:]) and sum(flags) <= 1024
     assert sum(copies) < heads_bytes / 1000
 
 
