@@ -178,7 +178,7 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
         "preprocess": preprocess_images_per_s(items, detector, iterations),
     }
     # The naive loop and the latency mode run one image at a time: not with a fixed batch size.
-    fixed_batch = detector.engine.image_input.batch if detector.engine.image_input.batch not in (None, 1) else None
+    fixed_batch = detector.engine.declared_batch if detector.engine.declared_batch not in (None, 1) else None
     skipped = {}
     if fixed_batch and not skip_naive:
         skipped["naive"] = (f"the model takes batches of exactly {fixed_batch}; the naive loop runs one image at "

@@ -83,7 +83,8 @@ def engine_args(config: Config) -> dict:
                             arena_extend_strategy="kSameAsRequested")
     return dict(scalars={"score_threshold": p.score_threshold, "iou_threshold": p.iou_threshold,
                          "max_detections": p.max_detections},
-                input_size_hw=tuple(config.preprocess.size), cuda_options=cuda_options)
+                input_size_hw=tuple(config.preprocess.size), cuda_options=cuda_options,
+                batch_size=config.run.batch_size if config.run.cuda_graph else None, cuda_graph=config.run.cuda_graph)
 
 
 def preprocessor_args(config: Config, image_input: ImageInput, device: Device) -> dict:
@@ -219,7 +220,7 @@ class Detector:
         self.device: Device = resolve_device(config.run.device)
         self.model_path = resolve_model_path(config)
         self.engine = Engine(self.model_path, device=self.device, **engine_args(config))
-        fixed_batch = self.engine.image_input.batch
+        fixed_batch = self.engine.declared_batch
         if fixed_batch is not None and fixed_batch != config.run.batch_size:
             log.info("%s takes batches of exactly %d images: run.batch_size %d -> %d", self.model_path.name,
                      fixed_batch, config.run.batch_size, fixed_batch)
@@ -280,10 +281,10 @@ class Detector:
         GPU out-of-memory and run.oom_retry allows it; otherwise raise."""
         if not (self.device.is_cuda and is_out_of_memory(error)):
             raise error
-        if self.engine.image_input.batch is not None:
+        if self.engine.declared_batch is not None:
             raise out_of_memory(self.device, self.model_batch, self.config.run.batch_size, error,
                                 fixed=True) from error
-        if not self.config.run.oom_retry or self.model_batch == 1:
+        if not self.config.run.oom_retry or self.model_batch == 1 or self.engine.cuda_graph:
             raise out_of_memory(self.device, self.model_batch, self.config.run.batch_size, error) from error
         self.model_batch = max(1, min(self.model_batch, images) // 2)
         log.warning("GPU out of memory: running the model on %d images at a time from now on", self.model_batch)

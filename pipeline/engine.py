@@ -124,19 +124,25 @@ class Engine:
 
     def __init__(self, model_path: str | Path, *, device: Device, scalars: dict[str, float | int],
                  input_size_hw: tuple[int, int] | None = None, batch_size: int | None = None,
-                 cuda_options: dict[str, str] | None = None):
+                 cuda_options: dict[str, str] | None = None, cuda_graph: bool = False):
         """input_size_hw: for a model whose image input has symbolic height/width, fix them (ORT
         free-dimension overrides) so shape arithmetic folds into constants at load time instead of
         running on the host each batch (Memcpy nodes on the CUDA EP). batch_size: the same for a
-        symbolic batch dimension (the model then takes only that batch size)."""
+        symbolic batch dimension (the model then takes only that batch size).
+
+        cuda_graph (CUDA only): ORT captures the model's kernels once per output slot and replays
+        them (`enable_cuda_graph`, one `gpu_graph_id` per slot). A graph replays on the addresses
+        it was captured with, so each slot also gets its own input buffer, and run() copies the
+        batch into it (one device-to-device copy). Needs static shapes: batch_size (or a static
+        batch in the model) and outputs whose shape the batch size decides."""
         self.model_path = Path(model_path)
         self.device = device
         self.cuda_options = cuda_options or {}
         check_external_data(self.model_path)
         # A first, unoptimized CPU session only reads the inputs (it is cheap; the real session
         # depends on them through the dimension overrides).
-        declared = self._session({}, probe=True).get_inputs()
-        self.inputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in declared]
+        probe = self._session({}, probe=True)
+        self.inputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in probe.get_inputs()]
         image = find_image_input(self.inputs, self.model_path)
         overrides = {}
         if image.size_hw is None and input_size_hw is not None:
@@ -149,6 +155,20 @@ class Engine:
         if image.batch is None and batch_size is not None and isinstance(batch_dim, str) and \
                 batch_dim not in overrides:
             overrides[batch_dim] = batch_size
+        self.declared_batch = image.batch
+        """The batch size the model itself fixes (None: any); image_input.batch also counts batch_size."""
+        self.cuda_graph = cuda_graph and device.is_cuda
+        if self.cuda_graph:
+            # ORT refuses a graph with nodes off the CUDA EP only after loading; say why first.
+            dynamic = [f"{a.name} {a.shape}" for a in probe.get_outputs()
+                       if not all(isinstance(d, int) or (i == 0 and d == batch_dim) for i, d in enumerate(a.shape))]
+            if (image.batch is None and batch_dim not in overrides) or (image.size_hw is None and len(overrides) < 2) \
+                    or dynamic:
+                raise ModelError(f"{self.model_path}: run.cuda_graph needs static shapes (the batch and input size "
+                                 f"fixed, outputs the batch size decides); found inputs {describe_io(self.inputs)}, "
+                                 f"dynamic outputs {', '.join(dynamic) or 'none'}. Use a heads model or "
+                                 "run.cuda_graph=false")
+            self.cuda_options = {**self.cuda_options, "enable_cuda_graph": "1"}
         self.session = self._session(overrides)
         self.inputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in self.session.get_inputs()]
         self.outputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in self.session.get_outputs()]
@@ -158,6 +178,9 @@ class Engine:
         self._batch_dim = next(s.shape[0] for s in self.inputs if s.name == self.image_input.name)
         self.binding = self.session.io_binding()
         self._static_buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._graph_inputs: dict[int, torch.Tensor] = {}
+        if self.cuda_graph:
+            self._copy_stream = torch.cuda.Stream(self.device.torch)
         for spec in self.inputs:
             if spec.name in SCALAR_INPUTS:
                 if spec.name not in scalars:
@@ -184,6 +207,19 @@ class Engine:
             return ort.InferenceSession(str(self.model_path), options, providers=providers)
         except Exception as e:  # ORT raises several types for unreadable or invalid models
             raise ModelError(f"{self.model_path}: ONNX Runtime cannot load it: {e}") from None
+
+    def _graph_input(self, images, slot: int) -> torch.Tensor:
+        """The batch copied into the slot's own input buffer, complete before ORT reads it (ORT's
+        stream does not wait for torch's). The copy runs on a stream of its own: torch's default
+        stream also carries the postprocess of the other slot, which this must not wait for."""
+        source = torch.from_dlpack(images)
+        if slot not in self._graph_inputs:
+            self._graph_inputs[slot] = torch.empty_like(source)
+        target = self._graph_inputs[slot]
+        with torch.cuda.stream(self._copy_stream):
+            target.copy_(source)
+        self._copy_stream.synchronize()
+        return target
 
     @property
     def device_type(self) -> str:
@@ -223,7 +259,13 @@ class Engine:
         height, width = spec.size_hw or size_hw
         shape = (batch_size, 3, height, width) if spec.layout == "NCHW" else (batch_size, height, width, 3)
         dtype = torch.float16 if spec.dtype == "float16" else torch.float32
-        self.run(torch.zeros(shape, dtype=dtype, device=self.device.torch))
+        zeros = torch.zeros(shape, dtype=dtype, device=self.device.torch)
+        # With cuda_graph, ORT runs a few times before it captures: capture both slots' graphs here,
+        # while nothing else runs on the GPU (a capture in the middle of the pipeline would meet
+        # the postprocess thread's CUDA calls).
+        for slot in (0, 1) if self.cuda_graph else (0,):
+            for _ in range(4 if self.cuda_graph else 1):
+                self.run(zeros, slot=slot)
 
     def run(self, images, slot: int = 0) -> dict[str, torch.Tensor]:
         """Run on `images` (any DLPack tensor on this device, shaped as the model's image input).
@@ -232,7 +274,7 @@ class Engine:
         buffers of `slot` (overwritten by the next run into that slot), dynamic ones ORT's own
         allocations.
         """
-        value = ort.OrtValue.from_dlpack(images)
+        value = ort.OrtValue.from_dlpack(self._graph_input(images, slot) if self.cuda_graph else images)
         batch_size = value.shape()[0]
         if self.image_input.batch not in (None, batch_size):
             raise ModelError(f"{self.model_path}: the model takes batches of exactly {self.image_input.batch} images, "
@@ -247,7 +289,12 @@ class Engine:
             else:
                 # Rebound every run: a dynamic output keeps the previous run's shape otherwise.
                 self.binding.bind_output(spec.name, self.device_type, self.device.index)
-        self.session.run_with_iobinding(self.binding)
+        if self.cuda_graph:
+            run_options = ort.RunOptions()
+            run_options.add_run_config_entry("gpu_graph_id", str(slot + 1))  # 0 is ORT's own
+            self.session.run_with_iobinding(self.binding, run_options)
+        else:
+            self.session.run_with_iobinding(self.binding)
         results = {}
         for spec, value in zip(self.outputs, self.binding.get_outputs()):
             results[spec.name] = buffers[spec.name] if spec.name in buffers else torch.from_dlpack(value)

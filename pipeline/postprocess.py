@@ -324,7 +324,10 @@ class Compiled:
 
     def __init__(self, fn):
         self.fn, self.__qualname__ = fn, f"{fn.__qualname__}[compiled]"
-        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+        # Coordinate-descent tuning of each Triton kernel's launch shape (block sizes, warps) at
+        # compile time: the best-class amax over [16, 120087, 91] float16 is a reduction over an
+        # odd, short row, where inductor's default shape left it at ~0.6 TB/s (docs/BENCHMARKS.md).
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, options={"coordinate_descent_tuning": True})
 
     def __call__(self, *args, **kwargs):
         if self.compiled is not None:

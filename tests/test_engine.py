@@ -11,7 +11,7 @@ import torch
 
 from pipeline.device import Device
 from pipeline.engine import Engine, ModelError
-from pipeline.postprocess import end_to_end, to_device_meta
+from pipeline.postprocess import Detections, end_to_end, to_device_meta
 from pipeline.preprocess import Preprocessor
 from pipeline.source import list_images, read_checked
 
@@ -187,3 +187,49 @@ def test_ssd_heads_postprocess_copies_only_the_final_detections(tmp_path):
           f"D2H copies {copies}")
     assert copies == [block_bytes] and rows == max(16, 1 << (most - 1).bit_length())
     assert sum(copies) < heads_bytes / 100
+
+
+def test_cuda_graph_needs_static_shapes_and_says_so(heads_model):
+    """run.cuda_graph on a model with in-graph NMS (dynamic N) is refused with what was found; on
+    the CPU the option does nothing."""
+    engine = Engine(heads_model, device=Device("cpu"), scalars={}, batch_size=2, cuda_graph=True)
+    assert not engine.cuda_graph and engine.image_input.batch == 2 and engine.declared_batch is None
+    if not torch.cuda.is_available():
+        return
+    with pytest.raises(ModelError, match="run.cuda_graph needs static shapes.*dynamic outputs boxes"):
+        Engine(ROOT / "models" / "retinaface_mnet025.onnx", device=Device("cuda", 0), input_size_hw=(640, 640),
+               batch_size=2, cuda_graph=True, scalars={"score_threshold": 0.5, "iou_threshold": 0.4,
+                                                      "max_detections": 10})
+
+
+@pytest.mark.cuda
+def test_ort_cuda_graph_replays_per_slot_on_each_new_batch(heads_model):
+    """ORT's CUDA graph (one per output slot, each with its own input buffer): every run computes on
+    the batch given now, into that slot's buffers, the same numbers as without the graph."""
+    dev = Device("cuda", 0)
+    plain = Engine(heads_model, device=dev, scalars={})
+    graphed = Engine(heads_model, device=dev, scalars={}, batch_size=2, cuda_graph=True)
+    graphed.warm_up(2, (640, 640))  # captures both slots
+    for step in range(4):
+        x = torch.randn(2, 3, 640, 640, generator=torch.Generator().manual_seed(step)).mul_(50).cuda()
+        slot = step % 2
+        want = {k: v.clone() for k, v in plain.run(x).items()}
+        got = graphed.run(x, slot=slot)
+        assert got["loc"].data_ptr() == graphed.static_buffers(2, slot)["loc"].data_ptr()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.cuda
+def test_detect_with_ort_cuda_graph_finds_the_same(tmp_path):
+    """The RetinaFace heads config with run.cuda_graph=true: the same detections as without."""
+    from pipeline import Detector
+
+    def found(*overrides):
+        detector = Detector.from_config(ROOT / "configs" / "retinaface_mnet025_heads.yaml", device="cuda",
+                                        batch_size=4, overrides=["postprocess.score_threshold=0.5", *overrides])
+        return Detections.concatenate([d for _, d in detector.stream(list_images(SAMPLES) * 2, lambda e: None)])
+
+    a, b = found(), found("run.cuda_graph=true")
+    assert a.batch_index.tolist() == b.batch_index.tolist() and len(a.scores) >= 6
+    assert np.allclose(a.scores, b.scores, atol=1e-4) and np.allclose(a.boxes_xyxy, b.boxes_xyxy, atol=0.05)
