@@ -40,8 +40,9 @@ case "${1:-}" in
     images
     [ -f models/retinaface_mnet025_heads_640_fp16.onnx ] || $PY scripts/build_retinaface.py --heads-only 640 640 \
       --fp16 --out models/retinaface_mnet025_heads_640_fp16.onnx
-    $PY scripts/probe_retinaface.py /tmp/imgset/jpg_abs.txt --models models/retinaface_mnet025_heads_640.onnx \
-      models/retinaface_mnet025_heads_640_fp16.onnx --json "$OUT/probe_retinaface.json" 2>&1 | quiet | tee "$OUT/probe.txt"
+    [ "${ENGINE_PROBE:-1}" = 1 ] && $PY scripts/probe_retinaface.py /tmp/imgset/jpg_abs.txt \
+      --models models/retinaface_mnet025_heads_640.onnx models/retinaface_mnet025_heads_640_fp16.onnx \
+      --json "$OUT/probe_retinaface.json" 2>&1 | quiet | tee "$OUT/probe.txt"
     for run in ${RUNS:-"retinaface_mnet025_heads"}; do  # RUNS: "config[,key=value,...]" words
       cfg=${run%%,*}; sets=$(echo "$run" | tr ',' '\n' | tail -n +2 | sed 's/^/--set /' | tr '\n' ' ')
       tag=$(echo "$run" | tr -cd '[:alnum:]_')
