@@ -188,3 +188,20 @@ def test_ssd_heads_finish_an_image_that_does_not_converge_exactly(device, monkey
     assert found.batch_index.tolist() == expected.batch_index.tolist()
     assert np.array_equal(found.scores, expected.scores) and np.allclose(found.boxes_xyxy, expected.boxes_xyxy)
     assert np.allclose(found.landmarks, expected.landmarks)
+
+
+def test_the_float16_heads_config_finds_the_float32_faces():
+    """configs/retinaface_mnet025_heads_fp16.yaml (the GPU's fastest) on the CPU: the faces of the
+    float32 heads model, within 3 px and 0.01 in score (float16 weights and activations)."""
+    from pipeline import Detector
+    from pipeline.source import list_images
+
+    def detections(config):
+        detector = Detector.from_config(ROOT / "configs" / config, device="cpu", batch_size=8)
+        (batch, found), = list(detector.stream(list_images(SAMPLES), on_error=lambda errors: None))
+        return found
+
+    fp16, fp32 = detections("retinaface_mnet025_heads_fp16.yaml"), detections("retinaface_mnet025_heads.yaml")
+    assert fp16.batch_index.tolist() == fp32.batch_index.tolist() and len(fp32.scores) >= 3
+    assert np.allclose(fp16.scores, fp32.scores, atol=0.01)
+    assert np.abs(fp16.boxes_xyxy - fp32.boxes_xyxy).max() < 3 and np.abs(fp16.landmarks - fp32.landmarks).max() < 3
