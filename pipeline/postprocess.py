@@ -173,8 +173,10 @@ def to_original(points_xy: torch.Tensor, image: torch.Tensor, meta: torch.Tensor
 def kept_slots(keep: torch.Tensor, max_detections: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where each image's kept candidates are, packed to the front: keep [B, K] bool (at most
     max_detections per image, best first) -> index [B, D] (candidate of the image's d-th kept one;
-    clamped where there is none), count [B], present [B, D] (d < count). Static shapes, no sync."""
+    clamped where there is none; D = min(max_detections, K)), count [B], present [B, D] (d < count).
+    Static shapes, no sync."""
     batch, k = keep.shape
+    max_detections = min(max_detections, k)  # D: no more slots than candidates
     kept_so_far = torch.cumsum(keep, dim=1)  # [B, K], non-decreasing
     wanted = torch.arange(1, max_detections + 1, device=keep.device).expand(batch, -1).contiguous()
     index = torch.searchsorted(kept_so_far, wanted).clamp_(max=k - 1)  # first candidate with that many kept
@@ -477,8 +479,8 @@ class RetinaNetHeads:
     per-class NMS (nms.top_nms: exact, no host sync unless the first 1,024 candidates of some image
     do not settle it) -> best `max_detections` per image.
 
-    Everything up to the kept mask has static shapes and no host sync, so on a GPU it runs as a
-    CUDA graph (GraphCache).
+    Everything up to the final rows, packed per image in original pixels, has static shapes and no
+    host sync, so on a GPU it runs as one CUDA graph (GraphCache); the host reads the rows once.
 
     The anchor layout comes from the model's metadata (`gpudet.retinanet`, written by
     scripts/export_retinanet.py); the anchors are built once, on the device.
