@@ -194,12 +194,19 @@ def pack_rows(columns: torch.Tensor, count: torch.Tensor, present: torch.Tensor,
     return torch.cat([header[None], (columns * present[..., None]).transpose(0, 1)], dim=0)
 
 
+def rows_to_original(points_xy: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """to_original for rows laid out per image: [B, D, P, 2] model-input pixels (row b: image b)
+    -> [B, D, 2P] original pixels, clipped."""
+    batch, rows = points_xy.shape[:2]
+    image = torch.arange(batch, device=points_xy.device)[:, None].expand(-1, rows).reshape(-1)
+    return to_original(points_xy.reshape(batch * rows, -1, 2), image, meta).reshape(batch, rows, -1)
+
+
 def box_columns(labels: torch.Tensor, scores: torch.Tensor, boxes: torch.Tensor, meta: torch.Tensor) -> list:
     """Columns label, score, x1 y1 x2 y2 (original pixels) of rows [B, D] of a batch."""
     batch, rows = scores.shape
-    image = torch.arange(batch, device=scores.device)[:, None].expand(-1, rows).reshape(-1)
-    boxes = to_original(boxes.reshape(-1, 2, 2), image, meta).reshape(batch, rows, 4)
-    return [labels.float()[..., None], scores.float()[..., None], boxes]
+    return [labels.float()[..., None], scores.float()[..., None],
+            rows_to_original(boxes.reshape(batch, rows, 2, 2), meta)]
 
 
 @dataclass
@@ -419,8 +426,7 @@ class SsdHeads:
             coded = landmarks[0].float().gather(1, anchor[..., None].expand(-1, -1, 2 * num_landmarks))
             points = prior[..., None, :2] + coded.reshape(*anchor.shape, num_landmarks, 2) * self.variances[0] * \
                 prior[..., None, 2:]
-            image = torch.arange(len(anchor), device=anchor.device)[:, None].expand_as(anchor).reshape(-1)
-            columns.append(to_original(points.reshape(-1, num_landmarks, 2), image, meta).reshape(*anchor.shape, -1))
+            columns.append(rows_to_original(points, meta))
         return pack_rows(torch.cat(columns, dim=-1), count, present, converged)
 
     def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, input_hw: tuple[int, int],
