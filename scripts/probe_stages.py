@@ -16,7 +16,7 @@ import time
 from pipeline.config import load_config, resolve_model_path
 from pipeline.device import resolve_device
 from pipeline.engine import Engine
-from pipeline.modelinfo import memcpy_nodes
+from pipeline.modelinfo import cuda_placement
 from pipeline.postprocess import end_to_end, to_device_meta
 from pipeline.preprocess import Preprocessor
 from pipeline.detector import engine_args, preprocessor_args
@@ -67,18 +67,19 @@ def main() -> None:
             max_detections=config.postprocess.max_detections, num_landmarks=5), args.iters)))
     n = len(items)
     print(f"{engine.model_path.name} on {device.describe()}, batch {n}, input {engine.inputs[0].describe()}, "
-          f"cuda_options {cuda_options or '{}'}, Memcpy nodes {count_memcpy_nodes(engine, cuda_options, True)} "
-          f"(without the size override {count_memcpy_nodes(engine, cuda_options, False)})")
+          f"cuda_options {cuda_options or '{}'}, {placement(engine, cuda_options)}")
     for name, s in stages:
         print(f"  {name:<12} {s * 1e3:8.2f} ms/batch {n / s:9.0f} img/s")
 
 
-def count_memcpy_nodes(engine: Engine, cuda_options: dict, fixed_size: bool) -> int | None:
-    """Memcpy nodes ORT inserts between its CUDA and CPU kernels (host round trips per run)."""
+def placement(engine: Engine, cuda_options: dict) -> str:
+    """Nodes ORT keeps on the CPU and Memcpy nodes between CUDA and CPU kernels (host round trips
+    per run), from gpudet inspect's profile of one run at the pipeline's input size."""
     if not engine.device.is_cuda:
-        return None
-    size_hw = engine.image_input.size_hw if fixed_size else None
-    return len(memcpy_nodes(engine.model_path, size_hw, device_index=engine.device.index, cuda_options=cuda_options))
+        return "placement: CPU run"
+    found = cuda_placement(engine.model_path, engine.image_input.size_hw, device_index=engine.device.index,
+                           cuda_options=cuda_options)
+    return f"nodes on the CPU {found['nodes'].get('CPUExecutionProvider', 0)}, Memcpy nodes {len(found['memcpy'])}"
 
 
 if __name__ == "__main__":
