@@ -1,0 +1,30 @@
+"""Every script in scripts/ starts: imports resolve and the command line parses (--help). A script
+that imports a name the package no longer has fails here, not on the GPU machine."""
+
+import subprocess
+import sys
+
+from conftest import ROOT
+
+SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
+
+
+def test_every_script_answers_help():
+    # One interpreter for all of them (each import of torch costs seconds); the scripts' folder on
+    # the path, as when one runs `python scripts/NAME.py`.
+    code = (
+        "import runpy, sys\n"
+        f"sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'scripts')!r}]\n"
+        "failed = []\n"
+        f"for path in {[str(p) for p in SCRIPTS]!r}:\n"
+        "    sys.argv = [path, '--help']\n"
+        "    try:\n"
+        "        runpy.run_path(path, run_name='__main__')\n"
+        "    except SystemExit as e:\n"
+        "        if e.code not in (0, None): failed.append((path, e.code))\n"
+        "    except Exception as e:\n"
+        "        failed.append((path, repr(e)))\n"
+        "print('FAILED', failed) if failed else print('ALL OK')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+    assert len(SCRIPTS) >= 8
