@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from pipeline.device import resolve_device
 from pipeline.engine import Engine, ImageInput
 from pipeline.preprocess import Preprocessor
 from pipeline.source import EncodedImage, list_images, read_checked
+from probe_stages import timed
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "retinaface_mnet025_heads.yaml"
 SETTINGS = {  # name: (fix the batch at load, CUDA EP options)
@@ -40,19 +40,6 @@ SETTINGS = {  # name: (fix the batch at load, CUDA EP options)
     "batch fixed, cuda graph": (True, {"enable_cuda_graph": "1"}),
     "batch fixed, prefer_nhwc, cuda graph": (True, {"prefer_nhwc": "1", "enable_cuda_graph": "1"}),
 }
-
-
-def median_s(fn, iters: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def engine_rates(models: list[str], batch_sizes: list[int], iters: int, log) -> dict:
@@ -67,7 +54,7 @@ def engine_rates(models: list[str], batch_sizes: list[int], iters: int, log) -> 
                                     batch_size=batch if fixed else None, cuda_options=options)
                     dtype = torch.float16 if engine.image_input.dtype == "float16" else torch.float32
                     x = torch.randn(batch, 3, 640, 640, device="cuda").mul_(50).to(dtype)
-                    seconds = median_s(lambda: engine.run(x), iters)
+                    seconds = timed(lambda: engine.run(x), iters, warmup=5)  # ORT syncs each run
                     results[label] = {"ms_per_batch": round(1e3 * seconds, 3), "images_per_s": round(batch / seconds)}
                 except Exception as e:  # a setting ORT refuses is reported, not fatal
                     results[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
