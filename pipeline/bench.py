@@ -9,9 +9,9 @@
 Each measurement is warmed up first and counts images/s over the whole set (model: over
 repeated batches); for gpudet also the seconds the loop waited on each stage and, on a GPU, the
 mean GPU utilisation (nvidia-smi) while it ran. Ratios are computed here, from this run; the
-report records hardware, versions, date and the exact command. `--latency N` adds batch-1 latency (p50/p99, file to
-detections). The torch-eager and DataLoader baselines need torchvision's RetinaNet; they are in
-scripts/bench_retinanet.py.
+report records hardware, versions, date and the exact command. `--latency N` adds batch-1
+latency (p50/p99, file to detections). The torch-eager and DataLoader baselines need
+torchvision's RetinaNet; they are in scripts/bench_retinanet.py.
 """
 
 from __future__ import annotations
@@ -211,8 +211,8 @@ def format_report(report: dict) -> str:
              f"{Path(report['model']).name} ({report['contract']})",
              f"  {'what':<12} {'images/s':>10}"]
     for name, rate in report["images_per_s"].items():
-        lines.append(f"  {name:<12} {rate:>10.1f}" +
-                     (f"   (first {report['naive_images']} images)" if name == "naive" and "naive_images" in report else ""))
+        first = f"   (first {report['naive_images']} images)" if name == "naive" and "naive_images" in report else ""
+        lines.append(f"  {name:<12} {rate:>10.1f}{first}")
     lines += [f"  {name:<16} {value:.2f}x" for name, value in report["ratios"].items()]
     stages = dict(report["gpudet_stages_s"])
     gpu = stages.pop("gpu_utilisation_percent")

@@ -579,7 +579,8 @@ class RetinaNetHeads:
         block and kept's tensors (for the exact path of an unsettled image)."""
         scores, labels, boxes, valid, keep, settled = self.kept(logits, regression, num_images,
                                                                 max_detections=max_detections, **options)
-        return self.pack(scores, labels, boxes, keep, settled, meta, max_detections), (scores, labels, boxes, valid, keep)
+        block = self.pack(scores, labels, boxes, keep, settled, meta, max_detections)
+        return block, (scores, labels, boxes, valid, keep)
 
     @staticmethod
     def pack(scores, labels, boxes, keep, flag, meta, max_detections: int) -> torch.Tensor:

@@ -206,7 +206,7 @@ def heads_only(model: onnx.ModelProto, height: int, width: int) -> onnx.ModelPro
 def to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
     """The same graph in float16, input and outputs included (DALI then writes float16 too):
     onnxconverter-common's converter, which keeps Resize's scales and the shape arithmetic in
-    their own types. For the CUDA EP; ORT's CPU EP runs it too, slowly."""
+    their own types. Made for the CUDA EP; ORT's CPU EP runs it too."""
     try:
         from onnxconverter_common import float16
     except ImportError:

@@ -329,7 +329,8 @@ def test_the_compiled_postprocess_keeps_the_same_detections(exported, images, re
         assert compiled._packed.compiled is not None, "torch.compile failed (see the warning)"
         for i in range(BATCH):  # the plain kernels' detections, as torchvision's would be compared
             rows_a, rows_b = a.rows_of(i), b.rows_of(i)
-            plain_found = {"boxes": torch.from_numpy(a.boxes_xyxy[rows_a]), "scores": torch.from_numpy(a.scores[rows_a]),
+            plain_found = {"boxes": torch.from_numpy(a.boxes_xyxy[rows_a]),
+                           "scores": torch.from_numpy(a.scores[rows_a]),
                            "labels": torch.from_numpy(a.labels[rows_a])}
             assert_same_detections(b.boxes_xyxy[rows_b], b.scores[rows_b], b.labels[rows_b], plain_found,
                                    box_tol=1e-3, score_tol=1e-5)
