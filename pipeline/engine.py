@@ -178,7 +178,8 @@ class Engine:
         self._batch_dim = next(s.shape[0] for s in self.inputs if s.name == self.image_input.name)
         self.binding = self.session.io_binding()
         self._static_buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._graph_inputs: dict[int, torch.Tensor] = {}
+        self._graph_inputs: dict[int, torch.Tensor] = {}  # cuda_graph: per slot, the input buffer
+        self._graph_runs: dict[int, ort.RunOptions] = {}  # and the run options naming its graph
         if self.cuda_graph:
             self._copy_stream = torch.cuda.Stream(self.device.torch)
         for spec in self.inputs:
@@ -290,9 +291,10 @@ class Engine:
                 # Rebound every run: a dynamic output keeps the previous run's shape otherwise.
                 self.binding.bind_output(spec.name, self.device_type, self.device.index)
         if self.cuda_graph:
-            run_options = ort.RunOptions()
-            run_options.add_run_config_entry("gpu_graph_id", str(slot + 1))  # 0 is ORT's own
-            self.session.run_with_iobinding(self.binding, run_options)
+            if slot not in self._graph_runs:
+                self._graph_runs[slot] = ort.RunOptions()
+                self._graph_runs[slot].add_run_config_entry("gpu_graph_id", str(slot + 1))  # 0 is ORT's own
+            self.session.run_with_iobinding(self.binding, self._graph_runs[slot])
         else:
             self.session.run_with_iobinding(self.binding)
         results = {}
