@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--nhwc", action="store_true")
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--score-threshold", type=float, default=0.05, help="end-to-end models' score_threshold")
     a = parser.parse_args()
     ort.preload_dlls()
     options = ort.SessionOptions()
@@ -40,8 +41,8 @@ def main() -> None:
     keep = []
     for spec in session.get_inputs():
         if spec.name in SCALAR_INPUTS:
-            binding.bind_cpu_input(spec.name, np.array([0.05 if "score" in spec.name else 0.5 if "iou" in spec.name
-                                                        else 300], SCALAR_INPUTS[spec.name]))
+            value = a.score_threshold if "score" in spec.name else 0.5 if "iou" in spec.name else 300
+            binding.bind_cpu_input(spec.name, np.array([value], SCALAR_INPUTS[spec.name]))
             continue
         x = torch.randn(*spec.shape, device="cuda").to(ORT_TO_TORCH[spec.type])
         keep.append(x)
