@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,17 +39,23 @@ class StageClock:
     """Main-thread wall time per stage, exclusive: time inside a nested stage (the source read
     while preprocessing asks for the next batch) counts only for the inner one. Stages overlap on
     the device (DALI decodes ahead on its own threads), so these are the times the loop waited
-    on each stage; they add up to the loop's time."""
+    on each stage; they add up to the loop's time. `add` counts time spent on another thread
+    (the engine's): it overlaps the loop's stages."""
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
         self._stack: list[str] = []
         self._since = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[stage] += seconds
 
     def _charge(self) -> None:
         now = time.perf_counter()
         if self._stack:
-            self.seconds[self._stack[-1]] += now - self._since
+            self.add(self._stack[-1], now - self._since)
         self._since = now
 
     @contextmanager
@@ -189,14 +196,24 @@ def infer(engine: Engine, batch: PreprocessedBatch, *, chunk: int, postprocess, 
     return lambda: found
 
 
-def done_now(fn: Callable[[], object]) -> Future:
-    """fn() run here, as a finished Future (what the postprocess thread gives on a GPU)."""
-    future: Future = Future()
-    try:
-        future.set_result(fn())
-    except Exception as e:  # re-raised where the result is taken, in order, like the thread's
-        future.set_exception(e)
-    return future
+class Inline:
+    """An executor that runs each task when it is submitted, here (the CPU path: ORT's threads
+    already use every core). Errors are kept in the future and raised where the result is taken,
+    in order, as a thread's would be."""
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+    def __enter__(self) -> Inline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 def out_of_memory(device: Device, chunk: int, batch_size: int, error: Exception,
@@ -239,6 +256,8 @@ class Detector:
             if self.contract == "retinanet_heads" else None
         self.model_batch = config.run.batch_size
         """Images per model run: run.batch_size, or less after a GPU out-of-memory."""
+        self.overlap = self.device.is_cuda
+        """Engine and postprocess on threads of their own (stream); on the CPU they run inline."""
         self._warm_up()
 
     @classmethod
@@ -299,15 +318,23 @@ class Detector:
             except Exception as e:
                 self._shrink_model_batch(e, self.model_batch)
 
-    def _infer(self, batch: PreprocessedBatch, postprocess, clock: StageClock, slot: int):
-        """The engine on one batch, halving the model batch on GPU out-of-memory; returns the
-        function that postprocesses it."""
-        while True:
-            try:
-                with clock("engine"):  # ORT: DALI's buffer bound via DLPack, outputs stay on the device
+    def _infer(self, batch: PreprocessedBatch, postprocess, clock: StageClock, slot: int,
+               reader: Future | None = None):
+        """The engine on one batch into the output buffers `slot`, halving the model batch on GPU
+        out-of-memory; returns the function that postprocesses it. reader: the postprocess still
+        reading that slot's buffers (two batches back), waited for first (its errors are raised
+        where its own result is taken)."""
+        if reader is not None:
+            wait([reader])
+        start = time.perf_counter()
+        try:
+            while True:
+                try:  # ORT: DALI's buffer bound via DLPack, outputs stay on the device
                     return infer(self.engine, batch, chunk=self.model_batch, postprocess=postprocess, slot=slot)
-            except Exception as e:
-                self._shrink_model_batch(e, batch.orig_hw.shape[0])
+                except Exception as e:
+                    self._shrink_model_batch(e, batch.orig_hw.shape[0])
+        finally:
+            clock.add("engine", time.perf_counter() - start)
 
     def stream(self, refs: list[ImageRef], on_error: Callable[[list[ImageError]], None], *,
                clock: StageClock | None = None, on_device: bool = False
@@ -328,21 +355,27 @@ class Detector:
                 yield [i for i in items if isinstance(i, EncodedImage)]
 
         def finished(batch: PreprocessedBatch, future: Future):
-            with clock("postprocess"):  # waits for the postprocess thread
+            with clock("postprocess"):  # waits for the batch's engine run and postprocess
                 return batch, future.result()
 
-        # On a GPU the engine runs batch i+1 into one set of output buffers while a thread
-        # postprocesses batch i from the other set (ORT and torch's kernels release the GIL);
-        # batch i is yielded, and written by the caller, after that. On the CPU the postprocess
-        # runs inline: ORT's threads already use every core.
+        # On a GPU three threads overlap: this one takes batches from DALI and hands finished ones
+        # to the caller (who writes them), the engine thread runs the model (ORT releases the GIL
+        # for the whole run), the postprocess thread decodes and NMS's (torch, CUDA graphs). The
+        # engine fills two sets of output buffers in turn (slots): before it writes a slot it waits
+        # for the postprocess still reading it, two batches back. On the CPU each task runs inline,
+        # in order: ORT's threads already use every core.
         pending: deque[tuple[PreprocessedBatch, Future]] = deque()
-        overlap = ThreadPoolExecutor(1, thread_name_prefix="gpudet-postprocess") if self.device.is_cuda else None
-        with overlap or nullcontext():
+        reading: dict[int, Future] = {}  # slot -> the postprocess reading its buffers
+        engine, post = (ThreadPoolExecutor(1, thread_name_prefix=f"gpudet-{name}") if self.overlap else Inline()
+                        for name in ("engine", "postprocess"))
+        with engine, post:
             # source: bytes read ahead on threads, cheap checks -> preprocess: DALI, 2 batches in flight
             batches = clock.timed(preprocess_stream(self.preprocessor, checked_batches(), on_error), "preprocess")
             for i, batch in enumerate(batches):
-                finish = self._infer(batch, postprocess, clock, slot=i % 2)  # engine: outputs stay on the device
-                pending.append((batch, overlap.submit(finish) if overlap else done_now(finish)))  # postprocess
+                slot = i % 2
+                ran = engine.submit(self._infer, batch, postprocess, clock, slot, reading.get(slot))  # engine
+                reading[slot] = post.submit(lambda ran=ran: ran.result()())  # postprocess, after its engine run
+                pending.append((batch, reading[slot]))
                 if len(pending) == 2:
                     yield finished(*pending.popleft())
             while pending:

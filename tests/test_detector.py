@@ -106,3 +106,34 @@ def test_gpu_out_of_memory_halves_the_model_batch_and_finishes(tmp_path):
             print(f"gpu_mem_limit_mb={limit}: model batch 64 -> {summary['model_batch']}; outcomes {outcomes}")
             return
     pytest.fail(f"no memory limit made the model batch shrink and finish: {outcomes}")
+
+
+def test_engine_and_postprocess_on_threads_give_the_inline_results(tmp_path):
+    """The GPU's stream (engine and postprocess each on a thread, two output slots, a slot reused
+    only after its postprocess finished), run here on the CPU's ORT: the same batches, in order,
+    with the same detections as the inline path, around a bad image, with more batches than slots;
+    the engine's time is counted from its thread."""
+    from pipeline import Detector
+    from pipeline.detector import StageClock
+    from pipeline.source import list_images
+
+    (tmp_path / "bad.jpg").write_bytes(CORRUPT.tobytes())
+    refs = [ImageRef(i, r.path) for i, r in enumerate(list_images(SAMPLES) * 3 + [ImageRef(0, str(tmp_path / "bad.jpg"))]
+                                                       + list_images(SAMPLES))]
+
+    def run(overlap: bool):
+        detector = Detector.from_config(SAMPLES.parent / "configs" / "retinaface_mnet025_heads.yaml", device="cpu",
+                                        batch_size=4, overrides=["postprocess.score_threshold=0.5"])
+        detector.overlap = overlap
+        clock, errors = StageClock(), []
+        out = [([r.index for r in b.refs], found) for b, found in detector.stream(refs, errors.extend, clock=clock)]
+        return out, errors, clock
+
+    inline, inline_errors, _ = run(False)
+    threaded, threaded_errors, clock = run(True)
+    assert [i for i, _ in threaded] == [i for i, _ in inline] and len(threaded) >= 6
+    for (_, a), (_, b) in zip(inline, threaded):
+        assert a.batch_index.tolist() == b.batch_index.tolist() and np.array_equal(a.boxes_xyxy, b.boxes_xyxy)
+        assert np.array_equal(a.scores, b.scores) and np.array_equal(a.landmarks, b.landmarks)
+    assert [(e.index, e.reason) for e in threaded_errors] == [(e.index, e.reason) for e in inline_errors]
+    assert sum(len(f.scores) for _, f in threaded) >= 8 and clock.seconds["engine"] > 0
