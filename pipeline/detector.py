@@ -366,9 +366,9 @@ class Detector:
         # in order: ORT's threads already use every core.
         pending: deque[tuple[PreprocessedBatch, Future]] = deque()
         reading: dict[int, Future] = {}  # slot -> the postprocess reading its buffers
-        engine, post = (ThreadPoolExecutor(1, thread_name_prefix=f"gpudet-{name}") if self.overlap else Inline()
-                        for name in ("engine", "postprocess"))
-        with engine, post:
+        engine = self.engine if self.overlap else Inline()  # the engine's own thread (Engine.submit)
+        post = ThreadPoolExecutor(1, thread_name_prefix="gpudet-postprocess") if self.overlap else Inline()
+        with post:
             # source: bytes read ahead on threads, cheap checks -> preprocess: DALI, 2 batches in flight
             batches = clock.timed(preprocess_stream(self.preprocessor, checked_batches(), on_error), "preprocess")
             for i, batch in enumerate(batches):

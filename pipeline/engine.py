@@ -11,6 +11,13 @@ example the dynamic N of in-graph NMS) is bound by device only; ORT allocates it
 and `torch.from_dlpack` reads it there. `OrtValue.numpy()` is never called on this path: on a
 CUDA OrtValue it is a device-to-host copy.
 
+Threads: every ORT run goes through the engine's own thread (`Engine.submit`; `run` called from
+another thread waits for it there). ORT keeps a CUDA graph, and cuDNN/cuBLAS handles, per calling
+thread (the CUDA EP's per-thread context): a graph captured at warm-up on one thread is not
+replayed by runs from another, which would capture again, in the middle of the pipeline, beside
+the postprocess thread's work (seen on the H200: the capture failed). ORT releases the GIL for a
+whole run, so the caller's thread does Python work meanwhile.
+
 Stream ordering: ORT's CUDA EP runs on its own stream and synchronizes it before
 `run_with_iobinding` returns (ORT's default). The outputs are therefore complete for any torch
 stream, and ORT is done with DALI's input buffer. The postprocess thread reads a slot on torch's
@@ -20,6 +27,9 @@ writes a slot that is still being read.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,6 +147,9 @@ class Engine:
         batch in the model) and outputs whose shape the batch size decides."""
         self.model_path = Path(model_path)
         self.device = device
+        # Every ORT run on this one thread (module docstring); it ends when the engine is collected.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="gpudet-engine")
+        self._thread = self._executor.submit(threading.current_thread).result()
         self.cuda_options = cuda_options or {}
         check_external_data(self.model_path)
         # A first, unoptimized CPU session only reads the inputs (it is cheap; the real session
@@ -251,6 +264,10 @@ class Engine:
             self._static_buffers[key] = buffers
         return self._static_buffers[key]
 
+    def submit(self, fn: Callable, *args) -> Future:
+        """fn(*args) on the engine's thread, after the tasks submitted before it."""
+        return self._executor.submit(fn, *args)
+
     def warm_up(self, batch_size: int, size_hw: tuple[int, int]) -> None:
         """Run once on a zero batch of the input's shape, so the CUDA EP's one-time work (cuDNN
         algorithm search, ~2 s for RetinaFace on the H200) happens at setup, not on the first batch."""
@@ -269,12 +286,18 @@ class Engine:
                 self.run(zeros, slot=slot)
 
     def run(self, images, slot: int = 0) -> dict[str, torch.Tensor]:
-        """Run on `images` (any DLPack tensor on this device, shaped as the model's image input).
+        """Run on `images` (any DLPack tensor on this device, shaped as the model's image input),
+        on the engine's thread (module docstring).
 
         Returns every output as a torch tensor on the device: static ones are the preallocated
         buffers of `slot` (overwritten by the next run into that slot), dynamic ones ORT's own
         allocations.
         """
+        if threading.current_thread() is not self._thread:
+            return self.submit(self._run, images, slot).result()
+        return self._run(images, slot)
+
+    def _run(self, images, slot: int) -> dict[str, torch.Tensor]:
         value = ort.OrtValue.from_dlpack(self._graph_input(images, slot) if self.cuda_graph else images)
         batch_size = value.shape()[0]
         if self.image_input.batch not in (None, batch_size):

@@ -137,3 +137,47 @@ def test_engine_and_postprocess_on_threads_give_the_inline_results(tmp_path):
         assert np.array_equal(a.scores, b.scores) and np.array_equal(a.landmarks, b.landmarks)
     assert [(e.index, e.reason) for e in threaded_errors] == [(e.index, e.reason) for e in inline_errors]
     assert sum(len(f.scores) for _, f in threaded) >= 8 and clock.seconds["engine"] > 0
+
+
+@cpu_and_cuda()
+def test_every_ort_run_happens_on_the_engines_own_thread(device):
+    """ORT keeps its CUDA graphs per calling thread: a graph captured at warm-up on one thread and
+    run from another is captured again mid-pipeline (on the H200 that capture failed beside the
+    postprocess thread). So warm-up, the pipeline with and without threads, and a direct run all
+    call ORT from the engine's one thread."""
+    import threading
+
+    from pipeline import Detector
+    from pipeline.source import list_images
+
+    class Recorder:  # the session, noting which thread each run comes from
+        def __init__(self, session):
+            self.session, self.threads = session, set()
+
+        def run_with_iobinding(self, *args):
+            self.threads.add(threading.current_thread())
+            return self.session.run_with_iobinding(*args)
+
+        def __getattr__(self, name):
+            return getattr(self.session, name)
+
+    detector = Detector.from_config(SAMPLES.parent / "configs" / "retinaface_mnet025_heads.yaml", device=device,
+                                    batch_size=2, overrides=["run.cuda_graph=true"])
+    engine = detector.engine
+    engine.session = recorder = Recorder(engine.session)
+    engine.warm_up(2, (640, 640))
+    refs = list_images(SAMPLES)
+    found = {}
+    for overlap in (True, False):
+        detector.overlap = overlap
+        found[overlap] = [f.scores.tolist() for _, f in detector.stream(refs, lambda errors: None)]
+    engine.run(torch_zeros(engine, 2))
+    assert recorder.threads == {engine._thread} and engine._thread is not threading.current_thread()
+    assert found[True] == found[False] and len(found[True]) == 3
+
+
+def torch_zeros(engine, batch: int):
+    import torch
+
+    dtype = torch.float16 if engine.image_input.dtype == "float16" else torch.float32
+    return torch.zeros(batch, 3, 640, 640, dtype=dtype, device=engine.device.torch)
