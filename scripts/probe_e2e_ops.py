@@ -1,0 +1,128 @@
+"""Time each ONNX Runtime op of the end-to-end RetinaNet postprocess alone, at its real shapes.
+
+    python scripts/probe_e2e_ops.py [--device cuda] [--batch 16] [--iters 30] [--json FILE]
+
+The end-to-end graph (scripts/export_retinanet.py, EndToEnd) takes cls_logits [B, A, K] float16
+(A = 120,087 anchors at 800x800, K = 91) and, per FPN level, slices the level's logits, takes the
+best class per anchor (ReduceMax), the top 1,000 anchors (TopK), their logits (GatherElements), the
+top 1,000 (anchor, class) pairs (TopK over 1,000 x 91), then decodes and runs one
+NonMaxSuppression (scripts/probe_nms.py). This probe runs each of those ops as a graph of its own,
+inputs bound on the device, so the sum shows where the in-graph postprocess's time goes; and
+times alternatives for the per-anchor best class (one ReduceMax over all levels instead of five
+sliced ones, TopK k=1, MaxPool) that give the same values. Each graph ends in ORT's stream
+synchronisation, as a model run does: "floor" (a 16-element Identity) is that fixed cost.
+Medians of --iters runs, ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from scripts.probe_stages import timed  # noqa: E402
+
+LEVELS = [90000, 22500, 5625, 1521, 441]  # anchors per level at 800x800 (grids 100..7, 9 cell anchors)
+CLASSES, TOP_K = 91, 1000
+HALF = TensorProto.FLOAT16
+
+
+def model(nodes, inputs, outputs, initializers=()) -> bytes:
+    graph = helper.make_graph(nodes, "probe", inputs, outputs, list(initializers))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString()
+
+
+def value(name: str, elem: int, shape) -> object:
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def const(name: str, array: np.ndarray):
+    return numpy_helper.from_array(array, name)
+
+
+def cases(batch: int) -> dict[str, tuple[bytes, dict[str, np.ndarray]]]:
+    """name -> (model, inputs): each op as the end-to-end graph runs it, and the alternatives."""
+    rng = np.random.default_rng(0)
+    anchors = sum(LEVELS)
+    logits = rng.normal(-4.6, 1.0, (batch, anchors, CLASSES)).astype(np.float16)
+    p3 = logits[:, :LEVELS[0]]
+    best = np.argsort(-p3.max(2), axis=1)[:, :TOP_K].astype(np.int64)
+    gather_index = np.broadcast_to(best[..., None], (batch, TOP_K, CLASSES)).copy()
+    pairs = np.take_along_axis(p3, gather_index, 1).reshape(batch, -1)
+    out = {}
+    out["floor (Identity, 16 elements)"] = (
+        model([helper.make_node("Identity", ["x"], ["y"])], [value("x", HALF, [16])], [value("y", HALF, [16])]),
+        {"x": np.zeros(16, np.float16)})
+    nodes = [helper.make_node("Constant", [], ["ax"], value=const("ax_c", np.array([1], np.int64)))]
+    outs, start = [], 0
+    for i, n in enumerate(LEVELS):  # as exported: a Slice per level, then ReduceMax on it
+        for name, v in ((f"s{i}", [start]), (f"e{i}", [start + n])):
+            nodes.append(helper.make_node("Constant", [], [name], value=const(name + "_c", np.array(v, np.int64))))
+        nodes += [helper.make_node("Slice", ["x", f"s{i}", f"e{i}", "ax"], [f"l{i}"]),
+                  helper.make_node("ReduceMax", [f"l{i}"], [f"m{i}"], axes=[2], keepdims=0)]
+        outs.append(value(f"m{i}", HALF, [batch, n]))
+        start += n
+    out["best class: Slice + ReduceMax per level (as exported)"] = (
+        model(nodes, [value("x", HALF, [batch, anchors, CLASSES])], outs), {"x": logits})
+    out["best class: one ReduceMax over all levels"] = (
+        model([helper.make_node("ReduceMax", ["x"], ["m"], axes=[2], keepdims=0)],
+              [value("x", HALF, [batch, anchors, CLASSES])], [value("m", HALF, [batch, anchors])]), {"x": logits})
+    k1 = const("k1", np.array([1], np.int64))
+    out["best class: TopK k=1 over all levels"] = (
+        model([helper.make_node("TopK", ["x", "k1"], ["m", "i"], axis=2)],
+              [value("x", HALF, [batch, anchors, CLASSES])],
+              [value("m", HALF, [batch, anchors, 1]), value("i", TensorProto.INT64, [batch, anchors, 1])], [k1]),
+        {"x": logits})
+    out["best class: MaxPool (1 x 91) over all levels"] = (
+        model([helper.make_node("MaxPool", ["x"], ["m"], kernel_shape=[1, CLASSES])],
+              [value("x", HALF, [batch, 1, anchors, CLASSES])], [value("m", HALF, [batch, 1, anchors, 1])]),
+        {"x": logits[:, None]})
+    kk = const("kk", np.array([TOP_K], np.int64))
+    out["TopK 1,000 of P3's 90,000 anchors"] = (
+        model([helper.make_node("TopK", ["x", "kk"], ["v", "i"], axis=1)], [value("x", HALF, [batch, LEVELS[0]])],
+              [value("v", HALF, [batch, TOP_K]), value("i", TensorProto.INT64, [batch, TOP_K])], [kk]),
+        {"x": p3.max(2)})
+    out["GatherElements: P3's 1,000 anchors x 91 logits"] = (
+        model([helper.make_node("GatherElements", ["x", "i"], ["y"], axis=1)],
+              [value("x", HALF, [batch, LEVELS[0], CLASSES]), value("i", TensorProto.INT64, [batch, TOP_K, CLASSES])],
+              [value("y", HALF, [batch, TOP_K, CLASSES])]), {"x": np.ascontiguousarray(p3), "i": gather_index})
+    out["TopK 1,000 of P3's 91,000 (anchor, class) pairs"] = (
+        model([helper.make_node("TopK", ["x", "kk"], ["v", "i"], axis=1)],
+              [value("x", HALF, [batch, TOP_K * CLASSES])],
+              [value("v", HALF, [batch, TOP_K]), value("i", TensorProto.INT64, [batch, TOP_K])], [kk]),
+        {"x": np.ascontiguousarray(pairs)})
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--json", type=Path)
+    a = parser.parse_args(argv)
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if a.device == "cuda" else ["CPUExecutionProvider"]
+    rows = []
+    for name, (onnx_bytes, inputs) in cases(a.batch).items():
+        session = ort.InferenceSession(onnx_bytes, providers=providers)
+        binding = session.io_binding()
+        for key, array in inputs.items():
+            binding.bind_ortvalue_input(key, ort.OrtValue.ortvalue_from_numpy(array, a.device, 0))
+        for spec in session.get_outputs():
+            binding.bind_output(spec.name, a.device)
+        ms = timed(lambda s=session, b=binding: s.run_with_iobinding(b), a.iters) * 1e3
+        rows.append({"op": name, "ms": round(ms, 3)})
+        print(f"{ms:8.3f} ms  {name}")
+    if a.json:
+        a.json.write_text(json.dumps({"device": a.device, "batch": a.batch, "ort": ort.__version__, "rows": rows},
+                                     indent=1))
+
+
+if __name__ == "__main__":
+    main()
