@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # RetinaNet on the H200 (issues 3, 4, 7): the GPU tests, the side-by-side benchmark, and with two
 # GPUs the --devices and Ray runs. Usage (GPU machine, wheels installed, PYTHONPATH set):
-#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|retinaface|probe|latency|scale
+#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|retinaface|probe|ab|latency|scale
 set -uo pipefail
 OUT=${OUT:-/tmp/gpudet-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -50,6 +50,31 @@ case "${1:-}" in
         $sets --json "$OUT/bench_$tag.json" 2>&1 | quiet | tee -a "$OUT/probe.txt"
     done
     ;;
+  ab)  # the same gpudet benches on several code trees, interleaved round by round (A B A B), on one machine:
+    # TREES="_ab/main _ab/branch": folders under the repository, each holding `pipeline/` from one commit
+    # (git archive COMMIT pipeline | tar -x -C _ab/NAME); RUNS as for probe; ROUNDS (default 2); DEVICE (cuda).
+    images
+    R=$PWD
+    for round in $(seq "${ROUNDS:-2}"); do
+      for tree in ${TREES:?TREES=\"dirA dirB\"}; do
+        [ -e "$tree/models" ] || ln -s "$R/models" "$tree/models"  # gpudet's own models, as in the checkout
+        for run in ${RUNS:-"retinaface_mnet025_heads_fp16"}; do
+          cfg=${run%%,*}; sets=$(echo "$run" | tr ',' '\n' | tail -n +2 | sed 's/^/--set /' | tr '\n' ' ')
+          tag=$(basename "$tree")_$(echo "$run" | tr -cd '[:alnum:]_')_$round
+          (cd "$tree" && PYTHONPATH="/tmp/site:$R/$tree" $PY -m pipeline bench /tmp/imgset/jpg_abs.txt \
+            --config "$R/configs/$cfg.yaml" --device "${DEVICE:-cuda}" --limit "${LIMIT:-4000}" --skip-naive $sets \
+            --json "$OUT/ab_$tag.json" 2>&1 | quiet | tail -3 >> "$OUT/ab.log")
+        done
+      done
+    done
+    $PY - "$OUT" <<'PY' | tee "$OUT/ab.txt"
+import glob, json, sys
+for f in sorted(glob.glob(sys.argv[1] + "/ab_*.json"), key=lambda f: json.load(open(f))["date"]):
+    r = json.load(open(f))
+    print(f"{r['date'][11:19]}  {f.split('/')[-1][3:-5]:<60} gpudet {r['images_per_s']['gpudet']:8.1f}  "
+          f"model {r['images_per_s']['model']:8.1f}  ratio {r['ratios']['gpudet / model']:.3f}")
+PY
+    ;;
   latency)  # batch-1 latency of RetinaNet: a batch-1 heads model through gpudet bench --latency
     [ -f $WORK/retinanet_heads_fp16_b1.onnx ] || $PY scripts/export_retinanet.py --contract retinanet_heads --fp16 \
       --batch-size 1 --out $WORK/retinanet_heads_fp16_b1.onnx 2>&1 | quiet | tail -2
@@ -80,5 +105,5 @@ print("one GPU, img/s after setup:", a["images_per_s"], "| two workers, per work
       [w.get("images_per_s") for w in b.get("workers", [])], "| wall totals:", a["seconds"]["total"], b["seconds"]["total"])
 PY
     ;;
-  *) echo "usage: $0 tests|bench|profile|retinaface|probe|latency|scale" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|profile|retinaface|probe|ab|latency|scale" >&2; exit 2 ;;
 esac
