@@ -162,6 +162,27 @@ def machine() -> dict:
             "torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "dali": dali.__version__}
 
 
+def code_version() -> dict:
+    """Which gpudet made the numbers: its version, the folder it was imported from, and the git
+    commit when that folder's parent is a checkout's root ("+" after it: uncommitted changes to
+    tracked files). None for an installed wheel or a copy of the package outside a checkout."""
+    from . import __version__
+
+    root = Path(__file__).resolve().parent.parent
+    commit = None
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+
+        top, head = git("rev-parse", "--show-toplevel", "HEAD").split()
+        if Path(top).resolve() == root:
+            commit = head[:12] + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    return {"version": __version__, "source": str(root / "pipeline"), "commit": commit}
+
+
 def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_naive: bool = False,
               naive_limit: int = 300, latency: int = 0, command: str = "") -> dict:
     """naive_limit: the naive loop runs on the first N of the images (one at a time, ~40 img/s on
@@ -201,7 +222,8 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
         "model": str(detector.model_path), "contract": detector.contract,
         "images_per_s": rates, "gpudet_stages_s": stages,
         "ratios": {k: round(v, 3) for k, v in ratios.items()},
-        "machine": machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(), "gpudet": code_version(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command,
     }
 
@@ -227,6 +249,10 @@ def format_report(report: dict) -> str:
     m = report["machine"]
     lines.append(f"  on {m['cpu']} ({m['cores']} cores){', ' + ', '.join(m['gpus']) if m['gpus'] else ''}; "
                  f"torch {m['torch']}, onnxruntime {m['onnxruntime']}, dali {m['dali']}; {report['date']}")
+    code = report.get("gpudet") or {}
+    if code:
+        lines.append(f"  gpudet {code['version']} from {code['source']}" +
+                     (f" at {code['commit']}" if code["commit"] else ""))
     return "\n".join(lines)
 
 

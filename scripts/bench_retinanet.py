@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import export_retinanet as exporter  # noqa: E402
 
-from pipeline.bench import machine  # noqa: E402
+from pipeline.bench import code_version, machine  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.device import resolve_device  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
@@ -337,8 +337,8 @@ def main() -> None:
     limited = a.out / "images.txt"
     limited.write_text("\n".join(paths) + "\n")
     report = {"batch_size": a.batch_size, "size_hw": list(size_hw), "images": len(paths), "results": {},
-              "machine": machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(sys.argv)}
+              "machine": machine(), "gpudet": code_version(),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv)}
     sections = {"model": lambda: model_only(files, model, a.batch_size, size_hw, a.iterations, log),
                 "postprocess": lambda: postprocess(files, model, a.batch_size, size_hw, a.iterations, log),
                 "pytorch": lambda: pytorch_pipeline(paths, model, a.batch_size, size_hw, a.workers, log),

@@ -1,10 +1,11 @@
 """`gpudet bench` runs every measurement side by side and reports ratios, machine and command."""
 
 import json
+import subprocess
 
 from pipeline.cli import main
 
-from conftest import SAMPLES
+from conftest import ROOT, SAMPLES
 
 
 def test_bench_reports_rates_ratios_and_the_machine(tmp_path, capsys):
@@ -17,6 +18,10 @@ def test_bench_reports_rates_ratios_and_the_machine(tmp_path, capsys):
     assert report["ratios"]["gpudet / naive"] == round(report["images_per_s"]["gpudet"] /
                                                        report["images_per_s"]["naive"], 3)
     assert report["images"] == 6 and report["naive_images"] == 4 and report["machine"]["cores"] >= 1 and report["date"]
+    # which code made the numbers: this checkout's commit (tests run from one)
+    code = report["gpudet"]
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert code["source"] == str(ROOT / "pipeline") and code["commit"].rstrip("+") == head.strip()[:12]
     assert report["command"] == (f"gpudet bench {SAMPLES} --device cpu --batch-size 4 --limit 6 --iterations 1 "
                                  f"--latency 5 --naive-limit 4 --json {report_path}")
     stages = report["gpudet_stages_s"]
@@ -26,4 +31,4 @@ def test_bench_reports_rates_ratios_and_the_machine(tmp_path, capsys):
     assert latency["images"] == 5 and 0 < latency["p50_ms"] <= latency["p99_ms"]
     out = capsys.readouterr().out
     assert "gpudet / naive" in out and "latency, batch 1, 5 images: p50" in out and "gpudet stages" in out
-    assert "(first 4 images)" in out
+    assert "(first 4 images)" in out and f"from {ROOT / 'pipeline'} at {code['commit']}" in out
