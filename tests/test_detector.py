@@ -118,8 +118,8 @@ def test_engine_and_postprocess_on_threads_give_the_inline_results(tmp_path):
     from pipeline.source import list_images
 
     (tmp_path / "bad.jpg").write_bytes(CORRUPT.tobytes())
-    refs = [ImageRef(i, r.path) for i, r in enumerate(list_images(SAMPLES) * 3 + [ImageRef(0, str(tmp_path / "bad.jpg"))]
-                                                       + list_images(SAMPLES))]
+    listed = list_images(SAMPLES) * 3 + [ImageRef(0, str(tmp_path / "bad.jpg"))] + list_images(SAMPLES)
+    refs = [ImageRef(i, r.path) for i, r in enumerate(listed)]
 
     def run(overlap: bool):
         detector = Detector.from_config(SAMPLES.parent / "configs" / "retinaface_mnet025_heads.yaml", device="cpu",
