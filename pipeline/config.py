@@ -98,6 +98,12 @@ class RunConfig:
     the batch size fixed at load, one device-to-device copy of each batch into the graph's input
     buffer. Needs a model with static output shapes (a heads contract). RetinaFace heads fp16 on
     the H200: 4.0 vs 4.3 ms per batch of 32 (docs/BENCHMARKS.md). No out-of-memory retry."""
+    gil_switch_interval_ms: float | None = None
+    """Python's thread switch interval (`sys.setswitchinterval`) while a detector streams, restored
+    after; null leaves the interpreter's (5 ms by default). The engine and postprocess threads
+    wait for the interpreter after each ORT run or device wait, up to this long when another
+    thread is running Python. A lead, one run each on the H200 (docs/BENCHMARKS.md): RetinaFace
+    fp16 4,421 img/s at 0.5 ms against 4,065-4,195 at the default."""
 
 
 @dataclass
@@ -135,6 +141,8 @@ class Config:
         need(self.run.batch_size > 0, "run.batch_size", "must be > 0")
         need(self.run.num_threads > 0, "run.num_threads", "must be > 0")
         need(self.run.gpu_mem_limit_mb >= 0, "run.gpu_mem_limit_mb", "must be >= 0 (0: no cap)")
+        need(self.run.gil_switch_interval_ms is None or self.run.gil_switch_interval_ms > 0,
+             "run.gil_switch_interval_ms", "must be > 0, or null to leave Python's")
         need(self.model.landmarks >= 0, "model.landmarks", "must be >= 0")
         need(len(self.model.labels) > 0, "model.labels", "needs at least one name")
 

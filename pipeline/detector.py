@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import sys
 import threading
 import time
 from collections import defaultdict, deque
@@ -196,6 +197,20 @@ def infer(engine: Engine, batch: PreprocessedBatch, *, chunk: int, postprocess, 
     return lambda: found
 
 
+@contextmanager
+def switch_interval(ms: float | None):
+    """sys.setswitchinterval(ms / 1000) inside the block, the previous interval after; None: no change."""
+    if ms is None:
+        yield
+        return
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(ms / 1000)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+
+
 class Inline:
     """An executor that runs each task when it is submitted, here (the CPU path: ORT's threads
     already use every core). Errors are kept in the future and raised where the result is taken,
@@ -368,7 +383,7 @@ class Detector:
         reading: dict[int, Future] = {}  # slot -> the postprocess reading its buffers
         engine = self.engine if self.overlap else Inline()  # the engine's own thread (Engine.submit)
         post = ThreadPoolExecutor(1, thread_name_prefix="gpudet-postprocess") if self.overlap else Inline()
-        with post:
+        with switch_interval(config.run.gil_switch_interval_ms), post:
             # source: bytes read ahead on threads, cheap checks -> preprocess: DALI, 2 batches in flight
             batches = clock.timed(preprocess_stream(self.preprocessor, checked_batches(), on_error), "preprocess")
             for i, batch in enumerate(batches):

@@ -25,6 +25,7 @@ def test_default_config_is_the_embedded_retinaface():
     ("preprocess:\n  mean: [1, 2]\n", "preprocess.mean"),
     ("postprocess:\n  score_threshold: 1.5\n", "postprocess.score_threshold"),
     ("run:\n  batch_size: 0\n", "run.batch_size"),
+    ("run:\n  gil_switch_interval_ms: 0\n", "run.gil_switch_interval_ms"),
     ("run: 3\n", "'run'"),
     ("- a\n- b\n", "top level"),
     ("run: [\n", "not valid YAML"),

@@ -181,3 +181,20 @@ def torch_zeros(engine, batch: int):
 
     dtype = torch.float16 if engine.image_input.dtype == "float16" else torch.float32
     return torch.zeros(batch, 3, 640, 640, dtype=dtype, device=engine.device.torch)
+
+
+def test_gil_switch_interval_is_set_while_streaming_and_restored_after():
+    import sys
+
+    from pipeline import Detector
+    from pipeline.source import list_images
+
+    before = sys.getswitchinterval()
+    detector = Detector.from_config(SAMPLES.parent / "configs" / "retinaface_mnet025_heads.yaml", device="cpu",
+                                    batch_size=2, overrides=["run.gil_switch_interval_ms=0.5"])
+    seen = [sys.getswitchinterval() for _ in detector.stream(list_images(SAMPLES), lambda errors: None)]
+    assert seen == [0.0005] * 3 and sys.getswitchinterval() == before
+    stream = detector.stream(list_images(SAMPLES), lambda errors: None)
+    next(stream)
+    stream.close()  # a caller that stops early gets its interval back too
+    assert sys.getswitchinterval() == before
