@@ -8,6 +8,10 @@ export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 WORK=/tmp/rn; mkdir -p $WORK
 quiet() { grep -v -i "deprecat\|_handle_op\|libpng\|jpeg_parser\|libjpeg\|Corrupt JPEG\|TracerWarning\|^  \|warnings.warn"; }
+parse_run() {  # "config[,key=value,...]" -> cfg, sets (--set options), tag (for file names)
+  cfg=${1%%,*}; sets=$(echo "$1" | tr ',' '\n' | tail -n +2 | sed 's/^/--set /' | tr '\n' ' ')
+  tag=$(echo "$1" | tr -cd '[:alnum:]_')
+}
 images() {  # a realistic set (random crops of the bundled photos, 480-1024 px, JPEG q90)
   [ -f /tmp/imgset/list.txt ] || $PY scripts/make_image_set.py /tmp/imgset --count "${COUNT:-4000}" > /dev/null
   grep -v png /tmp/imgset/list.txt | sed "s#^#/tmp/imgset/#" > /tmp/imgset/jpg_abs.txt
@@ -44,8 +48,7 @@ case "${1:-}" in
       --models models/retinaface_mnet025_heads_640.onnx models/retinaface_mnet025_heads_640_fp16.onnx \
       --json "$OUT/probe_retinaface.json" 2>&1 | quiet | tee "$OUT/probe.txt"
     for run in ${RUNS:-"retinaface_mnet025_heads"}; do  # RUNS: "config[,key=value,...]" words
-      cfg=${run%%,*}; sets=$(echo "$run" | tr ',' '\n' | tail -n +2 | sed 's/^/--set /' | tr '\n' ' ')
-      tag=$(echo "$run" | tr -cd '[:alnum:]_')
+      parse_run "$run"
       $PY -m pipeline bench /tmp/imgset/jpg_abs.txt --config configs/$cfg.yaml --device cuda --limit 4000 --skip-naive \
         $sets --json "$OUT/bench_$tag.json" 2>&1 | quiet | tee -a "$OUT/probe.txt"
     done
@@ -59,8 +62,7 @@ case "${1:-}" in
       for tree in ${TREES:?TREES=\"dirA dirB\"}; do
         [ -e "$tree/models" ] || ln -s "$R/models" "$tree/models"  # gpudet's own models, as in the checkout
         for run in ${RUNS:-"retinaface_mnet025_heads_fp16"}; do
-          cfg=${run%%,*}; sets=$(echo "$run" | tr ',' '\n' | tail -n +2 | sed 's/^/--set /' | tr '\n' ' ')
-          tag=$(basename "$tree")_$(echo "$run" | tr -cd '[:alnum:]_')_$round
+          parse_run "$run"; tag=$(basename "$tree")_${tag}_$round
           (cd "$tree" && PYTHONPATH="/tmp/site:$R/$tree" $PY -m pipeline bench /tmp/imgset/jpg_abs.txt \
             --config "$R/configs/$cfg.yaml" --device "${DEVICE:-cuda}" --limit "${LIMIT:-4000}" --skip-naive $sets \
             --json "$OUT/ab_$tag.json" 2>&1 | quiet | tail -3 >> "$OUT/ab.log")
