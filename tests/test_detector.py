@@ -147,6 +147,8 @@ def test_every_ort_run_happens_on_the_engines_own_thread(device):
     call ORT from the engine's one thread."""
     import threading
 
+    import torch
+
     from pipeline import Detector
     from pipeline.source import list_images
 
@@ -171,16 +173,9 @@ def test_every_ort_run_happens_on_the_engines_own_thread(device):
     for overlap in (True, False):
         detector.overlap = overlap
         found[overlap] = [f.scores.tolist() for _, f in detector.stream(refs, lambda errors: None)]
-    engine.run(torch_zeros(engine, 2))
+    engine.run(torch.zeros(2, 3, 640, 640, device=engine.device.torch))  # the float32 NCHW heads
     assert recorder.threads == {engine._thread} and engine._thread is not threading.current_thread()
     assert found[True] == found[False] and len(found[True]) == 3
-
-
-def torch_zeros(engine, batch: int):
-    import torch
-
-    dtype = torch.float16 if engine.image_input.dtype == "float16" else torch.float32
-    return torch.zeros(batch, 3, 640, 640, dtype=dtype, device=engine.device.torch)
 
 
 def test_gil_switch_interval_is_set_while_streaming_and_restored_after():
