@@ -134,7 +134,7 @@ def end_to_end_device(outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, s
                       max_detections: int, num_landmarks: int, num_images: int | None = None) -> DeviceDetections:
     """Threshold, cap per image, undo the resize/letterbox and clip, all on the outputs' device.
 
-    outputs: the end-to-end contract's tensors. meta: [B, 6] from to_device_meta.
+    outputs: the end-to-end contract's tensors. meta: [B, 6] image_meta (on the host or the device).
     num_images: rows of the batch that are real images (the rest pad the batch); default all.
     """
     scores = outputs["scores"].float()
