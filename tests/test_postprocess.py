@@ -120,10 +120,10 @@ def test_graph_cache_replays_on_what_the_buffers_hold_now(device):
 
 @cpu_and_cuda()
 def test_packed_rows_hold_each_images_kept_detections_best_first(device):
-    """kept_slots + pack_rows + PackedDetections against a plain per-image nonzero: the same rows,
+    """RetinaNetHeads.pack (kept_slots, pack_rows) + PackedDetections against a per-image nonzero: the same rows,
     on the host and on the device; padding images dropped; an image with more detections than
     the reader's first copy holds is read in a second copy, and the next batch's copy is larger."""
-    from pipeline.postprocess import BlockReader, PackedDetections, box_columns, kept_slots, pack_rows
+    from pipeline.postprocess import BlockReader, PackedDetections, RetinaNetHeads
 
     dev = torch.device(device)
     g = torch.Generator().manual_seed(0)
@@ -137,10 +137,7 @@ def test_packed_rows_hold_each_images_kept_detections_best_first(device):
     meta = meta_for(device, [[2.0, 2.0]] * batch, [[200, 150]] * batch)
     keep, scores, labels, boxes = (t.to(dev) for t in (keep, scores, labels, boxes))
 
-    slot, count, present = kept_slots(keep, cap)
-    columns = box_columns(labels.gather(1, slot), scores.gather(1, slot),
-                          boxes.gather(1, slot[..., None].expand(-1, -1, 4)), meta)
-    block = pack_rows(torch.cat(columns, -1), count, present, torch.ones(batch, dtype=torch.bool, device=dev))
+    block = RetinaNetHeads.pack(scores, labels, boxes, keep, torch.ones(batch, dtype=torch.bool, device=dev), meta, cap)
     reader = BlockReader()
     found = PackedDetections(block=block, host=reader(block), num_landmarks=0, num_images=3).to_host()
     most = int(keep.sum(1).max())
