@@ -42,6 +42,23 @@ def value(name: str, elem: int, shape) -> object:
     return helper.make_tensor_value_info(name, elem, shape)
 
 
+def time_bound(onnx_bytes: bytes, inputs: dict[str, np.ndarray], device: str, iters: int,
+               host_inputs: dict[str, np.ndarray] | None = None) -> tuple[float, ort.IOBinding]:
+    """Median seconds of one run of the model with `inputs` bound on `device` (`host_inputs` on
+    the host, as ORT reads scalar inputs) and every output left on the device; and the binding,
+    whose outputs the last run left."""
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+    session = ort.InferenceSession(onnx_bytes, providers=providers)
+    binding = session.io_binding()
+    for key, array in inputs.items():
+        binding.bind_ortvalue_input(key, ort.OrtValue.ortvalue_from_numpy(array, device, 0))
+    for key, array in (host_inputs or {}).items():
+        binding.bind_cpu_input(key, array)
+    for spec in session.get_outputs():
+        binding.bind_output(spec.name, device)
+    return timed(lambda: session.run_with_iobinding(binding), iters), binding
+
+
 def const(name: str, array: np.ndarray):
     return numpy_helper.from_array(array, name)
 
@@ -107,16 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--json", type=Path)
     a = parser.parse_args(argv)
-    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if a.device == "cuda" else ["CPUExecutionProvider"]
     rows = []
     for name, (onnx_bytes, inputs) in cases(a.batch).items():
-        session = ort.InferenceSession(onnx_bytes, providers=providers)
-        binding = session.io_binding()
-        for key, array in inputs.items():
-            binding.bind_ortvalue_input(key, ort.OrtValue.ortvalue_from_numpy(array, a.device, 0))
-        for spec in session.get_outputs():
-            binding.bind_output(spec.name, a.device)
-        ms = timed(lambda s=session, b=binding: s.run_with_iobinding(b), a.iters) * 1e3
+        ms = time_bound(onnx_bytes, inputs, a.device, a.iters)[0] * 1e3
         rows.append({"op": name, "ms": round(ms, 3)})
         print(f"{ms:8.3f} ms  {name}")
     if a.json:

@@ -22,7 +22,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.probe_stages import timed  # noqa: E402
+from scripts.probe_e2e_ops import model, time_bound, value  # noqa: E402
 
 SIZE, CLASSES = 800, 91
 
@@ -30,16 +30,10 @@ SIZE, CLASSES = 800, 91
 def nms_model() -> bytes:
     """One NonMaxSuppression node; batch and box count symbolic."""
     node = helper.make_node("NonMaxSuppression", ["boxes", "scores", "max_out", "iou", "score"], ["selected"])
-    graph = helper.make_graph(
-        [node], "nms",
-        [helper.make_tensor_value_info("boxes", TensorProto.FLOAT, ["B", "N", 4]),
-         helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["B", 1, "N"]),
-         helper.make_tensor_value_info("max_out", TensorProto.INT64, [1]),
-         helper.make_tensor_value_info("iou", TensorProto.FLOAT, [1]),
-         helper.make_tensor_value_info("score", TensorProto.FLOAT, [1])],
-        [helper.make_tensor_value_info("selected", TensorProto.INT64, ["M", 3])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
-    return model.SerializeToString()
+    inputs = [value("boxes", TensorProto.FLOAT, ["B", "N", 4]), value("scores", TensorProto.FLOAT, ["B", 1, "N"]),
+              value("max_out", TensorProto.INT64, [1]), value("iou", TensorProto.FLOAT, [1]),
+              value("score", TensorProto.FLOAT, [1])]
+    return model([node], inputs, [value("selected", TensorProto.INT64, ["M", 3])])
 
 
 def random_boxes(batch: int, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -59,21 +53,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--json", type=Path)
     a = parser.parse_args(argv)
-    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if a.device == "cuda" else ["CPUExecutionProvider"]
-    session = ort.InferenceSession(nms_model(), providers=providers)
     rng = np.random.default_rng(0)
     rows = []
     for batch in a.batches:
         boxes, scores = random_boxes(batch, a.boxes, rng)
         for label, threshold in (("no box passes", 1.0), ("every box passes", 0.0)):
-            binding = session.io_binding()
-            for name, value in (("boxes", boxes), ("scores", scores)):  # on the device, as in the graph
-                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value, a.device, 0))
-            for name, value in (("max_out", np.array([300], np.int64)), ("iou", np.array([0.5], np.float32)),
-                                ("score", np.array([threshold], np.float32))):
-                binding.bind_cpu_input(name, value)
-            binding.bind_output("selected", a.device)
-            seconds = timed(lambda: session.run_with_iobinding(binding), a.iters)
+            seconds, binding = time_bound(  # boxes and scores on the device, as in the graph
+                nms_model(), {"boxes": boxes, "scores": scores}, a.device, a.iters,
+                host_inputs={"max_out": np.array([300], np.int64), "iou": np.array([0.5], np.float32),
+                             "score": np.array([threshold], np.float32)})
             kept = binding.get_outputs()[0].shape()[0]
             rows.append({"batch": batch, "boxes": a.boxes, "case": label, "ms": round(seconds * 1e3, 3),
                          "ms_per_image": round(seconds * 1e3 / batch, 3), "kept": kept})
