@@ -74,8 +74,9 @@ def summary(times: list[float], batch: int) -> dict:
             "ms_p99": round(1e3 * sorted(times)[int(0.99 * (len(times) - 1))], 3)}
 
 
-def ort_engine(path: Path, *, nhwc: bool, cuda_graph: bool = False, score_threshold: float = 0.05) -> Engine:
-    options = {"prefer_nhwc": "1"} if nhwc else {}
+def ort_engine(path: Path, *, nhwc: bool, cuda_graph: bool = False, score_threshold: float = 0.05,
+               extra: dict[str, str] | None = None) -> Engine:
+    options = {"prefer_nhwc": "1", **(extra or {})} if nhwc else dict(extra or {})
     if cuda_graph:
         options["enable_cuda_graph"] = "1"
     return Engine(path, device=resolve_device(DEVICE), cuda_options=options,
@@ -103,18 +104,24 @@ def models(out: Path, batch: int, size_hw: tuple[int, int], log) -> tuple[torch.
 def model_only(files: dict[str, Path], model: torch.nn.Module, batch: int, size_hw, iterations: int, log) -> dict:
     results = {}
     x16 = torch.randn(batch, 3, *size_hw, device=DEVICE).half()
-    variants = [("ort heads fp32 NCHW", "heads_fp32", False, False),
-                ("ort heads fp16 NCHW", "heads_fp16", False, False), ("ort heads fp16 NHWC", "heads_fp16", True, False),
-                ("ort heads fp16 NHWC cuda graph", "heads_fp16", True, True),
-                ("ort heads fp16 NHWC, stem padded to 8 channels", "heads_fp16_stem8", True, False),
-                ("ort e2e fp16 NHWC score>0.05", "e2e_fp16", True, False)]
+    variants = [("ort heads fp32 NCHW", "heads_fp32", False, False, None),
+                ("ort heads fp16 NCHW", "heads_fp16", False, False, None),
+                ("ort heads fp16 NHWC", "heads_fp16", True, False, None),
+                ("ort heads fp16 NHWC cuda graph", "heads_fp16", True, True, None),
+                ("ort heads fp16 NHWC, stem padded to 8 channels", "heads_fp16_stem8", True, False, None),
+                # CUDA EP options the leads did not try: cuDNN's conv+bias(+activation) fusion, and
+                # cuDNN's heuristic algorithm choice instead of ORT's exhaustive search
+                ("ort heads fp16 NHWC fuse_conv_bias", "heads_fp16", True, False, {"fuse_conv_bias": "1"}),
+                ("ort heads fp16 NHWC conv algo HEURISTIC", "heads_fp16", True, False,
+                 {"cudnn_conv_algo_search": "HEURISTIC"}),
+                ("ort e2e fp16 NHWC score>0.05", "e2e_fp16", True, False, None)]
     def measure(engine: Engine) -> dict:
         x = x16 if engine.image_input.dtype == "float16" else x16.float()
         return summary(timed(lambda: engine.run(x), iterations=iterations), batch)
 
-    for label, name, nhwc, graph in variants:
+    for label, name, nhwc, graph, extra in variants:
         try:
-            results[label] = measure(ort_engine(files[name], nhwc=nhwc, cuda_graph=graph))
+            results[label] = measure(ort_engine(files[name], nhwc=nhwc, cuda_graph=graph, extra=extra))
         except Exception as e:  # a variant ORT refuses is reported, not fatal
             results[label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         log(f"{label}: {results[label]}")
