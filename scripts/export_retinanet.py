@@ -170,20 +170,23 @@ class EndToEnd(nn.Module):
     def forward(self, images, score_threshold, iou_threshold, max_detections):
         logits, regression = self.heads(images)  # the model's dtype; only the winners go to float32
         batch, _, num_classes = logits.shape
+        # The best class of every anchor in one pass over all levels, and each level's winners
+        # gathered from the whole tensor: ORT has no views, so a per-level slice would copy the
+        # logits (350 MB at batch 16) before reducing them.
+        best_class = logits.amax(dim=2)  # [B, A]
         boxes, scores, labels, start = [], [], [], 0
         for n in self.level_sizes:
-            level, k = logits[:, start:start + n], min(self.topk, n * num_classes)
+            k = min(self.topk, n * num_classes)
             if k < n:  # top-k pairs lie on the top-k anchors by best class (postprocess.RetinaNetHeads)
-                best = level.amax(dim=2).topk(k, dim=1)[1]
-                level = level.gather(1, best[..., None].expand(-1, -1, num_classes))
+                best = best_class[:, start:start + n].topk(k, dim=1)[1] + start  # anchor ids in [0, A)
+                level = logits.gather(1, best[..., None].expand(-1, -1, num_classes))
             else:
-                best = torch.arange(n, device=logits.device).expand(batch, n)
+                best = torch.arange(start, start + n, device=logits.device).expand(batch, n)
+                level = logits[:, start:start + n]
             top, index = level.reshape(batch, -1).topk(k, dim=1)
             anchor = best.gather(1, torch.div(index, num_classes, rounding_mode="floor"))
-            index = anchor * num_classes + index % num_classes
-            level_regression = regression[:, start:start + n].gather(1, anchor[..., None].expand(-1, -1, 4)).float()
-            boxes.append(decode_box_deltas(level_regression, self.anchors[start:start + n][anchor], self.weights,
-                                           self.clip))
+            level_regression = regression.gather(1, anchor[..., None].expand(-1, -1, 4)).float()
+            boxes.append(decode_box_deltas(level_regression, self.anchors[anchor], self.weights, self.clip))
             scores.append(top.float().sigmoid())
             labels.append(index % num_classes)
             start += n
