@@ -17,9 +17,15 @@ H x W is fixed (`--size`, default 800 800: the config letterboxes every image in
 The end-to-end graph's postprocess is torchvision's (`RetinaNet.postprocess_detections`), batched
 over the images instead of a Python loop per image: per level, top-k of the raw logits (sigmoid is
 monotonic, so it runs on the k winners only), decode with the box coder's clamp, clip to the
-input, then one `NonMaxSuppression` over [B, 1, 5 x top-k] per batch with the per-class
-coordinate-offset trick (no `If`, no `Loop`, no per-class scores tensor). The score threshold is
-the NMS op's, so candidates below it never reach the IoU stage.
+input; then per-class NMS with the coordinate-offset trick (no per-class scores tensor), in two
+ways joined by one `If` per batch. The fast one runs greedy NMS on every image at once: the IoU
+matrix of each image's best `--nms-prefix` (1,024) candidates and 16 rounds of "kept unless a
+kept, better candidate overlaps it", whose fixed point is greedy NMS's answer; it holds the answer
+when the rounds reached that fixed point and the prefix holds 300 kept or all the candidates above
+the threshold. Any image where that fails sends the batch to the other way, one
+`NonMaxSuppression` over [B, 1, 5 x top-k], which ORT runs image after image with a host
+synchronisation each (docs/BENCHMARKS.md: 0.3 ms per image at the worst case on an H200). Both
+give torchvision's detections (tested, each way).
 
 Weights: `--checkpoint FILE` (a state_dict, or a dict holding one under "model" or
 "state_dict", as torchvision's reference training scripts save), else random initialisation
@@ -156,9 +162,10 @@ class OnnxNms(torch.autograd.Function):
 class EndToEnd(nn.Module):
     """Heads + torchvision's postprocess, batched over images, in one graph (module docstring)."""
 
-    def __init__(self, model: nn.Module, size_hw: tuple[int, int]):
+    def __init__(self, model: nn.Module, size_hw: tuple[int, int], prefix: int = 1024, steps: int = 16):
         super().__init__()
         self.heads = Heads(model)
+        self.prefix, self.steps = prefix, steps
         layout = anchor_layout(model, size_hw)
         # gpudet's own anchor builder (tested against torchvision's AnchorGenerator)
         anchors = RetinaNetHeads(layout=layout, device=torch.device("cpu"), cuda_graphs=False).anchors
@@ -197,10 +204,90 @@ class EndToEnd(nn.Module):
         scores, labels = torch.cat(scores, 1), torch.cat(labels, 1)
         # Per-class NMS as one NMS: shift each class's boxes to its own region (torchvision's trick).
         shifted = boxes + (labels * (max(height, width) + 1)).to(boxes.dtype)[..., None]
+        fast, settled = self.prefix_nms(shifted, scores, score_threshold, iou_threshold, max_detections)
         selected = OnnxNms.apply(shifted, scores[:, None, :], max_detections, iou_threshold, score_threshold)
-        image, row = selected[:, 0], selected[:, 2]
+        exact = self.rows(boxes, scores, labels, selected[:, 0], selected[:, 2])
+        return (*(self.rows(boxes, scores, labels, *fast)), settled, *exact)
+
+    @staticmethod
+    def rows(boxes, scores, labels, image, row):
+        """The contract's outputs for candidates (image, row): boxes [N, 4], scores, labels, batch_index."""
         flat = image * boxes.shape[1] + row
-        return (boxes.reshape(-1, 4)[flat], scores.reshape(-1)[flat], labels.reshape(-1)[flat], image)
+        return boxes.reshape(-1, 4)[flat], scores.reshape(-1)[flat], labels.reshape(-1)[flat], image
+
+    def prefix_nms(self, shifted, scores, score_threshold, iou_threshold, max_detections):
+        """Greedy NMS, batched over the images, on each image's best `prefix` candidates: the IoU
+        matrix [B, P, P] and `steps` rounds of keep[j] = no kept i < j overlaps j (a fixed point of
+        these rounds is greedy NMS's answer, whatever the chain of suppressions). An image is
+        settled when the rounds reached that fixed point and the prefix holds its answer: at least
+        max_detections kept, or every candidate above the threshold inside the prefix. Returns the
+        kept (image, row) in image-then-score order, at most max_detections per image, and whether
+        every image settled (else the graph takes NonMaxSuppression's path: `join_paths`)."""
+        count = min(self.prefix, scores.shape[1])
+        passed = scores > score_threshold
+        top, order = torch.where(passed, scores, torch.full_like(scores, -1.0)).topk(count, dim=1)
+        valid = top >= 0  # scores are sigmoids; -1 marks a candidate below the threshold
+        b = shifted.gather(1, order[..., None].expand(-1, -1, 4))  # [B, P, 4], best first
+        area = (b[..., 2] - b[..., 0]) * (b[..., 3] - b[..., 1])
+        wh = (torch.min(b[:, :, None, 2:], b[:, None, :, 2:]) - torch.max(b[:, :, None, :2], b[:, None, :, :2]))
+        inter = wh.clamp(min=0).prod(-1)
+        iou = inter / (area[:, :, None] + area[:, None, :] - inter)
+        earlier = torch.ones(count, count, dtype=torch.bool, device=scores.device).triu(1)  # i < j
+        suppresses = ((iou > iou_threshold) & earlier & valid[:, :, None]).float()  # [B, i, j]
+        keep = previous = valid
+        for _ in range(self.steps):
+            previous = keep
+            keep = valid & (torch.bmm(keep.float()[:, None, :], suppresses)[:, 0] == 0)
+        kept = keep.long()
+        settled = ((keep == previous).all(dim=1) &
+                   ((kept.sum(1) >= max_detections) | (passed.long().sum(1) <= count))).all()
+        image, slot = torch.nonzero(keep & (kept.cumsum(1) <= max_detections), as_tuple=True)
+        return (image, order.reshape(-1)[image * count + slot]), settled
+
+
+OUTPUTS = ["boxes", "scores", "labels", "batch_index"]
+SHAPES = {"boxes": ["N", 4], "scores": ["N"], "labels": ["N"], "batch_index": ["N"]}
+
+
+def join_paths(proto, cond: str = "settled") -> None:
+    """Turn EndToEnd's exported graph (the outputs twice: fast_* from the prefix NMS, nms_* from
+    NonMaxSuppression; and `settled`) into the contract's: one If on `settled` whose then-branch
+    passes the fast outputs and whose else-branch holds the nodes only NonMaxSuppression's path
+    needs, so ORT runs that path only for a batch the prefix did not settle. One host decision per
+    batch (the condition is read on the host), not one per image or class."""
+    import onnx
+    from onnx import helper
+
+    graph = proto.graph
+    producer = {name: node for node in graph.node for name in node.output}
+
+    def upstream(names) -> set[int]:
+        seen, stack = set(), list(names)
+        while stack:
+            node = producer.get(stack.pop())
+            if node is not None and id(node) not in seen:
+                seen.add(id(node))
+                stack.extend(node.input)
+        return seen
+
+    fast, slow = [f"fast_{n}" for n in OUTPUTS], [f"nms_{n}" for n in OUTPUTS]
+    only_slow = upstream(slow) - upstream([cond, *fast])
+    types = {o.name: o.type.tensor_type.elem_type for o in graph.output}
+
+    def branch(name: str, nodes, sources) -> onnx.GraphProto:
+        moves = [helper.make_node("Identity", [src], [f"{name}_{out}"]) for src, out in zip(sources, OUTPUTS)]
+        return helper.make_graph(nodes + moves, name, [], [
+            helper.make_tensor_value_info(f"{name}_{out}", types[src], SHAPES[out]) for src, out in zip(sources, OUTPUTS)])
+
+    then_branch = branch("prefix_path", [], fast)
+    else_branch = branch("nms_path", [n for n in graph.node if id(n) in only_slow], slow)
+    kept = [n for n in graph.node if id(n) not in only_slow]
+    del graph.node[:]
+    graph.node.extend(kept + [helper.make_node("If", [cond], OUTPUTS, then_branch=then_branch,
+                                               else_branch=else_branch)])
+    outputs = [helper.make_tensor_value_info(out, types[src], SHAPES[out]) for src, out in zip(fast, OUTPUTS)]
+    del graph.output[:]
+    graph.output.extend(outputs)
 
 
 def torchvision_detections(model: nn.Module, images: torch.Tensor, *, score_threshold: float, iou_threshold: float,
@@ -222,10 +309,11 @@ def torchvision_detections(model: nn.Module, images: torch.Tensor, *, score_thre
 
 def export(model: nn.Module, contract: str, out: Path, *, size_hw: tuple[int, int], batch_size: int,
            dynamic_batch: bool, fp16: bool, opset: int = 17, device: str | None = None,
-           stem_channels: int = 3) -> None:
+           stem_channels: int = 3, nms_prefix: int = 1024) -> None:
     """Write `model` (left unchanged) as an ONNX file of `contract`. The trace runs on `device`
     (default: the GPU when there is one; a batch of 16 at 800x800 is slow on a CPU).
-    stem_channels > 3 pads the stem convolution's input (PaddedStem)."""
+    stem_channels > 3 pads the stem convolution's input (PaddedStem). nms_prefix: candidates per
+    image the end-to-end graph's batched NMS looks at before it falls back (EndToEnd.prefix_nms)."""
     import copy
 
     import onnx
@@ -244,10 +332,10 @@ def export(model: nn.Module, contract: str, out: Path, *, size_hw: tuple[int, in
         if dynamic:
             dynamic.update({"cls_logits": {0: "batch"}, "bbox_regression": {0: "batch"}})
     else:
-        module = EndToEnd(model, size_hw).eval()
+        module = EndToEnd(model, size_hw, prefix=nms_prefix).eval()
         args = (images, *(torch.tensor([v], device=device) for v in (0.05, 0.5, 300)))
         inputs = ["images", "score_threshold", "iou_threshold", "max_detections"]
-        outputs = ["boxes", "scores", "labels", "batch_index"]
+        outputs = [f"fast_{n}" for n in OUTPUTS] + ["settled"] + [f"nms_{n}" for n in OUTPUTS]
     module = module.to(device=device, dtype=dtype)
     if contract == "end_to_end":
         module.anchors = module.anchors.float()  # decode and NMS stay in float32
@@ -256,6 +344,8 @@ def export(model: nn.Module, contract: str, out: Path, *, size_hw: tuple[int, in
         torch.onnx.export(module, args, str(out), input_names=inputs, output_names=outputs, opset_version=opset,
                           dynamic_axes=dynamic, dynamo=False, do_constant_folding=True)
     proto = onnx.load(str(out))
+    if contract == "end_to_end":
+        join_paths(proto)
     entry = proto.metadata_props.add()
     entry.key, entry.value = RETINANET_METADATA, json.dumps({**layout, "contract": contract})
     proto.producer_name = f"gpudet scripts/export_retinanet.py (torchvision {torchvision.__version__})"
@@ -277,12 +367,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random initialisation seed (no --checkpoint)")
     parser.add_argument("--stem-channels", type=int, default=3, choices=[3, 4, 8],
                         help="zero-pad the stem convolution's input to this many channels (same results)")
+    parser.add_argument("--nms-prefix", type=int, default=1024,
+                        help="end_to_end: candidates per image the batched NMS looks at before NonMaxSuppression")
     a = parser.parse_args(argv)
     if a.checkpoint is not None and not a.checkpoint.is_file():
         sys.exit(f"--checkpoint {a.checkpoint}: no such file")
     model = build_model(a.arch, a.checkpoint, a.num_classes, a.seed)
     export(model, a.contract, a.out, size_hw=tuple(a.size), batch_size=a.batch_size, dynamic_batch=a.dynamic_batch,
-           fp16=a.fp16, stem_channels=a.stem_channels)
+           fp16=a.fp16, stem_channels=a.stem_channels, nms_prefix=a.nms_prefix)
     print(f"wrote {a.out} ({a.out.stat().st_size / 1e6:.1f} MB): {a.arch}, {a.contract}, "
           f"{'float16' if a.fp16 else 'float32'}, batch {'dynamic' if a.dynamic_batch else a.batch_size}, "
           f"{a.size[0]}x{a.size[1]}, {'weights ' + str(a.checkpoint) if a.checkpoint else 'random weights'}")

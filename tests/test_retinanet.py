@@ -54,6 +54,10 @@ def exported(model, tmp_path_factory) -> dict[str, Path]:
         files[contract] = folder / f"{contract}.onnx"
         exporter.export(model, contract, files[contract], size_hw=SIZE, batch_size=BATCH, dynamic_batch=False,
                         fp16=False, device="cpu")
+    # A prefix too short for any image to settle: the graph takes NonMaxSuppression's path.
+    files["end_to_end_nms_path"] = folder / "end_to_end_nms_path.onnx"
+    exporter.export(model, "end_to_end", files["end_to_end_nms_path"], size_hw=SIZE, batch_size=BATCH,
+                    dynamic_batch=False, fp16=False, device="cpu", nms_prefix=64)
     return files
 
 
@@ -118,12 +122,34 @@ def test_anchors_are_torchvisions(model, exported, images):
     assert torch.equal(post.anchors, exporter.reference_anchors(model, images))
 
 
-def test_end_to_end_model_gives_torchvisions_detections(exported, images, reference, thresholds):
-    engine = Engine(exported["end_to_end"], device=Device("cpu"), scalars=thresholds)
+def settled(path: Path, images: torch.Tensor, thresholds: dict) -> bool:
+    """Whether the end-to-end graph's batched prefix NMS settled every image (its If condition)."""
+    import onnx
+    import onnxruntime as ort
+
+    proto = onnx.load(str(path))
+    proto.graph.output.append(onnx.helper.make_tensor_value_info("settled", onnx.TensorProto.BOOL, []))
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {"images": images.numpy(), **{k: np.array([v], exporter_dtype(k)) for k, v in thresholds.items()}}
+    return bool(session.run(["settled"], feeds)[0])
+
+
+def exporter_dtype(name: str):
+    return np.int64 if name == "max_detections" else np.float32
+
+
+@pytest.mark.parametrize("path", ["end_to_end", "end_to_end_nms_path"])
+def test_end_to_end_model_gives_torchvisions_detections(exported, images, reference, thresholds, path):
+    """Both paths of the graph: the batched NMS on each image's best 1,024 candidates (which
+    settles every image here), and ORT's NonMaxSuppression (a 64-candidate prefix settles none)."""
+    assert settled(exported[path], images, thresholds) == (path == "end_to_end")
+    engine = Engine(exported[path], device=Device("cpu"), scalars=thresholds)
     out = {k: v.numpy() for k, v in engine.run(images).items()}
     assert sorted(out) == ["batch_index", "boxes", "labels", "scores"]
+    assert np.all(np.diff(out["batch_index"]) >= 0)  # image by image
     for b, expected in enumerate(reference):
         rows = out["batch_index"] == b
+        assert np.all(np.diff(out["scores"][rows]) <= 0)  # best first
         assert_same_detections(out["boxes"][rows], out["scores"][rows], out["labels"][rows], expected,
                                box_tol=0.5, score_tol=1e-4)
 
