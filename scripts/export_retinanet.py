@@ -275,9 +275,10 @@ def join_paths(proto, cond: str = "settled") -> None:
     types = {o.name: o.type.tensor_type.elem_type for o in graph.output}
 
     def branch(name: str, nodes, sources) -> onnx.GraphProto:
-        moves = [helper.make_node("Identity", [src], [f"{name}_{out}"]) for src, out in zip(sources, OUTPUTS)]
-        return helper.make_graph(nodes + moves, name, [], [
-            helper.make_tensor_value_info(f"{name}_{out}", types[src], SHAPES[out]) for src, out in zip(sources, OUTPUTS)])
+        pairs = list(zip(sources, OUTPUTS))
+        moves = [helper.make_node("Identity", [src], [f"{name}_{out}"]) for src, out in pairs]
+        results = [helper.make_tensor_value_info(f"{name}_{out}", types[src], SHAPES[out]) for src, out in pairs]
+        return helper.make_graph(nodes + moves, name, [], results)
 
     then_branch = branch("prefix_path", [], fast)
     else_branch = branch("nms_path", [n for n in graph.node if id(n) in only_slow], slow)
