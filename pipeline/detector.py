@@ -83,6 +83,8 @@ class StageClock:
 def engine_args(config: Config) -> dict:
     p = config.postprocess
     cuda_options = {"prefer_nhwc": "1"} if config.run.prefer_nhwc else {}
+    if config.run.fuse_conv_bias:
+        cuda_options["fuse_conv_bias"] = "1"
     if not config.run.tf32:
         cuda_options["use_tf32"] = "0"
     if config.run.gpu_mem_limit_mb:

@@ -76,7 +76,8 @@ def summary(times: list[float], batch: int) -> dict:
 
 def ort_engine(path: Path, *, nhwc: bool, cuda_graph: bool = False, score_threshold: float = 0.05,
                extra: dict[str, str] | None = None) -> Engine:
-    options = {"prefer_nhwc": "1", **(extra or {})} if nhwc else dict(extra or {})
+    """ORT with gpudet's CUDA EP options (fuse_conv_bias; prefer_nhwc when nhwc), `extra` on top."""
+    options = {"fuse_conv_bias": "1", **({"prefer_nhwc": "1"} if nhwc else {}), **(extra or {})}
     if cuda_graph:
         options["enable_cuda_graph"] = "1"
     return Engine(path, device=resolve_device(DEVICE), cuda_options=options,
@@ -109,9 +110,9 @@ def model_only(files: dict[str, Path], model: torch.nn.Module, batch: int, size_
                 ("ort heads fp16 NHWC", "heads_fp16", True, False, None),
                 ("ort heads fp16 NHWC cuda graph", "heads_fp16", True, True, None),
                 ("ort heads fp16 NHWC, stem padded to 8 channels", "heads_fp16_stem8", True, False, None),
-                # CUDA EP options the leads did not try: cuDNN's conv+bias(+activation) fusion, and
-                # cuDNN's heuristic algorithm choice instead of ORT's exhaustive search
-                ("ort heads fp16 NHWC fuse_conv_bias", "heads_fp16", True, False, {"fuse_conv_bias": "1"}),
+                # ORT's default, each conv's bias added by a kernel of its own (gpudet fuses it: run.fuse_conv_bias),
+                # and cuDNN's heuristic algorithm choice instead of ORT's exhaustive search
+                ("ort heads fp16 NHWC without fuse_conv_bias", "heads_fp16", True, False, {"fuse_conv_bias": "0"}),
                 ("ort heads fp16 NHWC conv algo HEURISTIC", "heads_fp16", True, False,
                  {"cudnn_conv_algo_search": "HEURISTIC"}),
                 ("ort e2e fp16 NHWC score>0.05", "e2e_fp16", True, False, None)]
