@@ -65,3 +65,16 @@ def test_model_path_resolves_against_the_config_folder(tmp_path):
     (tmp_path / "m.onnx").write_bytes(b"x")
     config = load_config(write(tmp_path, "model:\n  path: m.onnx\n"))
     assert resolve_model_path(config) == (tmp_path / "m.onnx").resolve()
+
+
+@pytest.mark.parametrize("name, fused", [("retinanet_r50_coco", True), ("retinaface_mnet025", False),
+                                         ("retinaface_mnet025_heads", False), ("retinaface_mnet025_heads_fp16", False)])
+def test_only_the_configs_checked_on_a_gpu_ask_ort_to_fuse_the_conv_bias(name, fused):
+    """fuse_conv_bias is on where the GPU tests compare it with the CPU (RetinaNet) and off
+    elsewhere: on the H200 it made the RetinaFace model see a face at every anchor."""
+    from pathlib import Path
+
+    from pipeline.detector import engine_args
+
+    config = load_config(Path(__file__).parent.parent / "configs" / f"{name}.yaml")
+    assert (engine_args(config)["cuda_options"].get("fuse_conv_bias") == "1") == fused
