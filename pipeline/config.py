@@ -93,8 +93,9 @@ class RunConfig:
     convolution kernel (a runtime-fused cuDNN graph) instead of by a kernel of its own after it.
     RetinaNet R50 fp16 NHWC on the H200: 19.96 vs 27.62 ms per batch of 16 (the separate bias
     kernels were 11.1 of 26.7 ms of device time), same detections as the CPU's. Off by default:
-    on the same GPU it broke the RetinaFace model (every anchor a face, where the CPU finds
-    none); turn it on only for a model whose GPU results you have compared (docs/BENCHMARKS.md)."""
+    on the same GPU it broke the RetinaFace model (hundreds of faces in a photo where the CPU
+    finds one); turn it on only for a model whose GPU results you have compared with the CPU's
+    (docs/BENCHMARKS.md)."""
     tf32: bool = True
     """Let the CUDA EP run float32 convolutions and matmuls on TF32 tensor cores (ORT's default):
     faster, with ~1e-3 relative error. false for float32 results that match the CPU's closely."""

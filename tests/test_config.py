@@ -71,7 +71,7 @@ def test_model_path_resolves_against_the_config_folder(tmp_path):
                                          ("retinaface_mnet025_heads", False), ("retinaface_mnet025_heads_fp16", False)])
 def test_only_the_configs_checked_on_a_gpu_ask_ort_to_fuse_the_conv_bias(name, fused):
     """fuse_conv_bias is on where the GPU tests compare it with the CPU (RetinaNet) and off
-    elsewhere: on the H200 it made the RetinaFace model see a face at every anchor."""
+    elsewhere: on the H200 it made the RetinaFace model find hundreds of faces in a photo of one."""
     from pathlib import Path
 
     from pipeline.detector import engine_args
