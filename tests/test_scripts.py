@@ -28,3 +28,18 @@ def test_every_script_answers_help():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
     assert len(SCRIPTS) >= 8
+
+
+def test_probe_fuse_exposes_every_convolution(tmp_path):
+    """scripts/probe_fuse.py (a GPU diagnosis) on the CPU: every Conv of the RetinaFace heads model
+    read out with its attributes; both sessions are the CPU EP here, so they agree exactly."""
+    import json
+
+    out = tmp_path / "fuse.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_fuse.py"), str(ROOT / "models" /
+                    "retinaface_mnet025_heads_640.onnx"), "--batch", "1", "2", "--json", str(out)],
+                   check=True, capture_output=True)
+    report = json.loads(out.read_text())
+    for rows in report["batches"].values():
+        assert len(rows) == 59 and sum(r["group"] > 1 for r in rows) == 13  # MobileNet's depthwise convs
+        assert all(r["relative_error"] == 0 and r["kernel"] for r in rows)
