@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # RetinaNet on the H200 (issues 3, 4, 7): the GPU tests, the side-by-side benchmark, and with two
 # GPUs the --devices and Ray runs. Usage (GPU machine, wheels installed, PYTHONPATH set):
-#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|retinaface|probe|ab|latency|scale
+#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|kernels|fuse|retinaface|probe|ab|latency|scale
 set -uo pipefail
 OUT=${OUT:-/tmp/gpudet-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -31,6 +31,24 @@ case "${1:-}" in
     for m in retinanet_heads_fp16 retinanet_e2e_fp16; do
       $PY scripts/profile_ort.py $WORK/$m.onnx --nhwc 2>&1 | grep -v -i "deprecat\|warn" | tee -a "$OUT/profile.txt"
     done
+    ;;
+  kernels)  # device time per kernel: heads (ORT's default conv options, fuse_conv_bias) against torch eager; e2e at score 0
+    [ -f $WORK/retinanet_e2e_fp16.onnx ] || $PY scripts/export_retinanet.py --contract end_to_end --fp16 \
+      --out $WORK/retinanet_e2e_fp16.onnx 2>&1 | quiet | tail -1
+    for opts in "" "--cuda-option fuse_conv_bias=1"; do
+      $PY scripts/profile_kernels.py --model $WORK/retinanet_heads_fp16.onnx $opts 2>&1 | grep -v USDT | tee -a "$OUT/kernels.txt"
+      $PY scripts/profile_kernels.py --model $WORK/retinanet_e2e_fp16.onnx --score-threshold 0 $opts 2>&1 | grep -v USDT \
+        | tee -a "$OUT/kernels.txt"
+    done
+    ;;
+  fuse)  # which convolutions ORT's fuse_conv_bias gets wrong: the RetinaFace models (broken), RetinaNet's (kept)
+    for m in models/retinaface_mnet025_heads_640.onnx models/retinaface_mnet025_heads_640_fp16.onnx; do
+      for nhwc in "" "--nhwc"; do
+        $PY scripts/probe_fuse.py $m $nhwc --batch 1 4 8 32 2>&1 | grep -v "^\[" | tee -a "$OUT/fuse.txt"
+      done
+    done
+    [ -f $WORK/retinanet_heads_fp16.onnx ] && $PY scripts/probe_fuse.py $WORK/retinanet_heads_fp16.onnx --nhwc \
+      --batch 16 2>&1 | tee -a "$OUT/fuse.txt"
     ;;
   retinaface)  # gpudet bench on the default model, end-to-end and raw-heads configs (the latter also compiled)
     images
@@ -107,5 +125,5 @@ print("one GPU, img/s after setup:", a["images_per_s"], "| two workers, per work
       [w.get("images_per_s") for w in b.get("workers", [])], "| wall totals:", a["seconds"]["total"], b["seconds"]["total"])
 PY
     ;;
-  *) echo "usage: $0 tests|bench|profile|retinaface|probe|ab|latency|scale" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|profile|kernels|fuse|retinaface|probe|ab|latency|scale" >&2; exit 2 ;;
 esac
