@@ -42,7 +42,8 @@ def exposed(path: Path) -> tuple[bytes, list[dict]]:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         w = weights.get(node.input[1])
         convs.append({"name": node.name or node.output[0], "output": node.output[0], "group": attrs.get("group", 1),
-                      "kernel": list(attrs.get("kernel_shape", w[2:] if w else [])), "stride": list(attrs.get("strides", [])),
+                      "kernel": list(attrs.get("kernel_shape", w[2:] if w else [])),
+                      "stride": list(attrs.get("strides", [])),
                       "dilation": list(attrs.get("dilations", [])), "pads": list(attrs.get("pads", [])),
                       "out_channels": w[0] if w else None, "in_channels_per_group": w[1] if w else None,
                       "bias": len(node.input) > 2 and bool(node.input[2])})

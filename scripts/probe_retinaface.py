@@ -73,7 +73,7 @@ def dali_rates(list_file: str, batch_sizes: list[int], threads: list[int], dtype
         pre = Preprocessor(device=device, **preprocessor_args(config, model_input, device))
         batches = [items[i:i + batch] for i in range(0, len(items), batch)]
 
-        def run_all():
+        def run_all(pre: Preprocessor) -> None:
             for chunk in batches:
                 while len(pre.in_flight) >= 2:
                     pre.result()
@@ -81,9 +81,9 @@ def dali_rates(list_file: str, batch_sizes: list[int], threads: list[int], dtype
             while pre.in_flight:
                 pre.result()
 
-        run_all()  # warm-up: allocations, the hardware decoder
+        run_all(pre)  # warm-up: allocations, the hardware decoder
         start = time.perf_counter()
-        run_all()
+        run_all(pre)
         rate = len(items) / (time.perf_counter() - start)
         results[f"dali b{batch} threads {n} {dtype}"] = {"images_per_s": round(rate)}
         log(f"dali b{batch} threads {n} {dtype}: {rate:.0f} img/s")
