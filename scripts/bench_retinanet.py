@@ -76,7 +76,8 @@ def summary(times: list[float], batch: int) -> dict:
 
 def ort_engine(path: Path, *, nhwc: bool, cuda_graph: bool = False, score_threshold: float = 0.05,
                extra: dict[str, str] | None = None) -> Engine:
-    """ORT with gpudet's CUDA EP options (fuse_conv_bias; prefer_nhwc when nhwc), `extra` on top."""
+    """ORT with the RetinaNet config's CUDA EP options (fuse_conv_bias; prefer_nhwc when nhwc),
+    `extra` on top."""
     options = {"fuse_conv_bias": "1", **({"prefer_nhwc": "1"} if nhwc else {}), **(extra or {})}
     if cuda_graph:
         options["enable_cuda_graph"] = "1"
@@ -110,8 +111,8 @@ def model_only(files: dict[str, Path], model: torch.nn.Module, batch: int, size_
                 ("ort heads fp16 NHWC", "heads_fp16", True, False, None),
                 ("ort heads fp16 NHWC cuda graph", "heads_fp16", True, True, None),
                 ("ort heads fp16 NHWC, stem padded to 8 channels", "heads_fp16_stem8", True, False, None),
-                # ORT's default, each conv's bias added by a kernel of its own (gpudet fuses it: run.fuse_conv_bias),
-                # and cuDNN's heuristic algorithm choice instead of ORT's exhaustive search
+                # ORT's default, each conv's bias added by a kernel of its own (the RetinaNet config fuses
+                # it: run.fuse_conv_bias), and cuDNN's heuristic algorithm choice instead of an exhaustive search
                 ("ort heads fp16 NHWC without fuse_conv_bias", "heads_fp16", True, False, {"fuse_conv_bias": "0"}),
                 ("ort heads fp16 NHWC conv algo HEURISTIC", "heads_fp16", True, False,
                  {"cudnn_conv_algo_search": "HEURISTIC"}),
