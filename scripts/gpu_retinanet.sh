@@ -94,6 +94,8 @@ for f in sorted(glob.glob(sys.argv[1] + "/ab_*.json"), key=lambda f: json.load(o
     print(f"{r['date'][11:19]}  {f.split('/')[-1][3:-5]:<60} gpudet {r['images_per_s']['gpudet']:8.1f}  "
           f"model {r['images_per_s']['model']:8.1f}  ratio {r['ratios']['gpudet / model']:.3f}")
 PY
+    # The device sends back at most 8 files from $OUT: the JSONs go as one archive.
+    (cd "$OUT" && tar -czf ab_json.tgz ab_*.json && rm ab_*.json)
     ;;
   latency)  # batch-1 latency of RetinaNet: a batch-1 heads model through gpudet bench --latency
     [ -f $WORK/retinanet_heads_fp16_b1.onnx ] || $PY scripts/export_retinanet.py --contract retinanet_heads --fp16 \
