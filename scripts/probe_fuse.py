@@ -73,7 +73,10 @@ def main() -> None:
     model, convs = exposed(a.model)
     base = {"prefer_nhwc": "1"} if a.nhwc else {}
     plain, fused = session(model, base), session(model, {**base, "fuse_conv_bias": "1"})
-    image = plain.get_inputs()[0]
+    image = next(i for i in plain.get_inputs() if i.name not in SCALAR_INPUTS)
+    # an end-to-end model's thresholds: torchvision's defaults (its NMS outputs are not compared)
+    scalars = {i.name: np.array([{"score_threshold": 0.05, "iou_threshold": 0.5, "max_detections": 300}[i.name]],
+                                SCALAR_INPUTS[i.name]) for i in plain.get_inputs() if i.name in SCALAR_INPUTS}
     dtype = np.float16 if "float16" in image.type else np.float32
     outputs = [o.name for o in plain.get_outputs()]
     rng = np.random.default_rng(0)
@@ -85,7 +88,7 @@ def main() -> None:
         if any(not isinstance(d, int) for d in shape):
             sys.exit(f"{a.model}: input {image.name} {image.shape} has free dimensions other than the batch")
         x = (rng.standard_normal(shape) * 50).astype(dtype)
-        feeds = {image.name: x, **{i.name: np.array([0.5], SCALAR_INPUTS[i.name]) for i in plain.get_inputs()[1:]}}
+        feeds = {image.name: x, **scalars}
         want = dict(zip(outputs, plain.run(outputs, feeds)))
         got = dict(zip(outputs, fused.run(outputs, feeds)))
         rows = []
