@@ -1,6 +1,6 @@
 """Which convolutions does ORT's `fuse_conv_bias` get wrong? Each Conv's output, fused and not.
 
-    python scripts/probe_fuse.py MODEL.onnx [--batch 1 4 8 32] [--nhwc] [--fp16-input] [--json FILE]
+    python scripts/probe_fuse.py MODEL.onnx [--batch 1 4 8 32] [--nhwc] [--whole] [--json FILE]
 
 On the H200 the CUDA EP option `fuse_conv_bias` (cuDNN's runtime-fused conv + bias) made the
 RetinaFace model find hundreds of faces in a one-face photo, with results that changed with the
@@ -9,7 +9,11 @@ model with every Conv's output exposed, on two CUDA EP sessions (ORT's default, 
 `fuse_conv_bias=1`; `--nhwc` adds `prefer_nhwc` to both) and one random input per batch size,
 and prints, per batch size, the convolutions whose outputs differ (max |fused - plain| over the
 max |plain|), with what distinguishes a convolution: group, kernel, stride, dilation, padding,
-channels. On a machine without a GPU both sessions run on the CPU EP and agree (a dry run).
+channels. `--whole` instead compares the model's own outputs, nothing exposed (exposing a Conv's
+output stops ORT fusing it with the activation or Add after it), under all graph optimisations,
+without ConvActivationFusion, without ConvAddActivationFusion, and with basic ones only, and names
+the fused convolution nodes ORT made. On a machine without a GPU both sessions run on the CPU EP
+and agree (a dry run).
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ def exposed(path: Path) -> tuple[bytes, list[dict]]:
     return proto.SerializeToString(), convs
 
 
-def session(model: bytes, options: dict[str, str]) -> ort.InferenceSession:
+def session(model: bytes, options: dict[str, str], *, basic: bool = False, disabled: list[str] | None = None,
+            save: Path | None = None) -> ort.InferenceSession:
     if torch.cuda.is_available():
         ort.preload_dlls()
         providers = [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
@@ -60,7 +65,73 @@ def session(model: bytes, options: dict[str, str]) -> ort.InferenceSession:
         providers = ["CPUExecutionProvider"]
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    return ort.InferenceSession(model, so, providers=providers)
+    if basic:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    if save is not None:
+        so.optimized_model_filepath = str(save)
+    return ort.InferenceSession(model, so, providers=providers, disabled_optimizers=disabled or None)
+
+
+# The whole model (nothing exposed: exposing a Conv's output stops ORT fusing it with the
+# activation or Add after it), fused against plain, under each of these graph optimisations.
+WHOLE = {"all optimisations": {},
+         "without ConvActivationFusion": {"disabled": ["ConvActivationFusion"]},
+         "without ConvAddActivationFusion": {"disabled": ["ConvAddActivationFusion"]},
+         "basic optimisations only": {"basic": True}}
+
+
+def fused_nodes(path: Path) -> str:
+    """What ORT made of the convolutions: op types with Conv in their name, with activations."""
+    counts: dict[str, int] = {}
+    for node in onnx.load(str(path)).graph.node:
+        if "Conv" in node.op_type:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            act = attrs.get("activation", b"")
+            key = node.op_type + (f"+{act.decode() if isinstance(act, bytes) else act}" if act else "") \
+                + ("+Z" if len(node.input) > 3 and node.input[3] else "")
+            counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+
+
+def whole(path: Path, base: dict[str, str], batches: list[int], rng) -> dict:
+    model = path.read_bytes()
+    report = {}
+    for label, how in WHOLE.items():
+        saved = Path(f"/tmp/probe_fuse_{abs(hash(label))}.onnx")
+        plain, fused = session(model, base, **how), session(model, {**base, "fuse_conv_bias": "1"}, **how, save=saved)
+        image, feeds = inputs(plain)
+        rows = {}
+        for batch in batches:
+            x = rng.standard_normal(shape_of(image, batch, path)) * 50
+            feed = {image.name: x.astype(np.float16 if "float16" in image.type else np.float32), **feeds}
+            names = [o.name for o in plain.get_outputs()]
+            want, got = plain.run(names, feed), fused.run(names, feed)
+            rows[batch] = {n: relative(w, g) for n, w, g in zip(names, want, got)}
+        report[label] = {"nodes": fused_nodes(saved), "relative_error": rows}
+        print(f"{label}: {report[label]['nodes']}")
+        for batch, errors in rows.items():
+            print(f"  batch {batch}: " + ", ".join(f"{n} {e:.3g}" for n, e in errors.items()))
+    return report
+
+
+def relative(want: np.ndarray, got: np.ndarray) -> float:
+    want, got = want.astype(np.float32), got.astype(np.float32)
+    return float(np.abs(want - got).max() / max(float(np.abs(want).max()), 1e-6)) if want.size else 0.0
+
+
+def inputs(sess: ort.InferenceSession):
+    """The image input, and an end-to-end model's thresholds at torchvision's defaults."""
+    image = next(i for i in sess.get_inputs() if i.name not in SCALAR_INPUTS)
+    scalars = {i.name: np.array([{"score_threshold": 0.05, "iou_threshold": 0.5, "max_detections": 300}[i.name]],
+                                SCALAR_INPUTS[i.name]) for i in sess.get_inputs() if i.name in SCALAR_INPUTS}
+    return image, scalars
+
+
+def shape_of(image, batch: int, path: Path) -> list[int]:
+    shape = [batch if not isinstance(d, int) or i == 0 else d for i, d in enumerate(image.shape)]
+    if any(not isinstance(d, int) for d in shape):
+        sys.exit(f"{path}: input {image.name} {image.shape} has free dimensions other than the batch")
+    return shape
 
 
 def main() -> None:
@@ -68,26 +139,28 @@ def main() -> None:
     parser.add_argument("model", type=Path)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 32])
     parser.add_argument("--nhwc", action="store_true", help="prefer_nhwc on both sessions")
+    parser.add_argument("--whole", action="store_true",
+                        help="instead: the model's own outputs, fused against plain, under several graph optimisations")
     parser.add_argument("--json", type=Path)
     a = parser.parse_args()
-    model, convs = exposed(a.model)
     base = {"prefer_nhwc": "1"} if a.nhwc else {}
+    rng = np.random.default_rng(0)
+    if a.whole:
+        print(f"{a.model}: the whole model, options {base}")
+        report = whole(a.model, base, a.batch, rng)
+        if a.json:
+            a.json.write_text(json.dumps(report, indent=1) + "\n")
+        return
+    model, convs = exposed(a.model)
     plain, fused = session(model, base), session(model, {**base, "fuse_conv_bias": "1"})
-    image = next(i for i in plain.get_inputs() if i.name not in SCALAR_INPUTS)
-    # an end-to-end model's thresholds: torchvision's defaults (its NMS outputs are not compared)
-    scalars = {i.name: np.array([{"score_threshold": 0.05, "iou_threshold": 0.5, "max_detections": 300}[i.name]],
-                                SCALAR_INPUTS[i.name]) for i in plain.get_inputs() if i.name in SCALAR_INPUTS}
+    image, scalars = inputs(plain)  # an end-to-end model's NMS outputs are not compared
     dtype = np.float16 if "float16" in image.type else np.float32
     outputs = [o.name for o in plain.get_outputs()]
-    rng = np.random.default_rng(0)
     report = {"model": str(a.model), "providers": plain.get_providers(), "options": base, "batches": {}}
     print(f"{a.model}: {len(convs)} Conv nodes ({sum(c['group'] > 1 for c in convs)} grouped), "
           f"providers {plain.get_providers()[0]}, options {base}")
     for batch in a.batch:
-        shape = [batch if not isinstance(d, int) or i == 0 else d for i, d in enumerate(image.shape)]
-        if any(not isinstance(d, int) for d in shape):
-            sys.exit(f"{a.model}: input {image.name} {image.shape} has free dimensions other than the batch")
-        x = (rng.standard_normal(shape) * 50).astype(dtype)
+        x = (rng.standard_normal(shape_of(image, batch, a.model)) * 50).astype(dtype)
         feeds = {image.name: x, **scalars}
         want = dict(zip(outputs, plain.run(outputs, feeds)))
         got = dict(zip(outputs, fused.run(outputs, feeds)))

@@ -43,3 +43,21 @@ def test_probe_fuse_exposes_every_convolution(tmp_path):
     for rows in report["batches"].values():
         assert len(rows) == 59 and sum(r["group"] > 1 for r in rows) == 13  # MobileNet's depthwise convs
         assert all(r["relative_error"] == 0 and r["kernel"] for r in rows)
+
+
+def test_probe_fuse_whole_model_under_each_optimisation(tmp_path):
+    """--whole: the model's own outputs under four graph optimisation settings, with the fused
+    convolution nodes ORT made (on the CPU EP: Conv + LeakyRelu unless that fusion is off)."""
+    import json
+
+    out = tmp_path / "whole.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_fuse.py"), str(ROOT / "models" /
+                    "retinaface_mnet025_heads_640.onnx"), "--whole", "--batch", "1", "--json", str(out)],
+                   check=True, capture_output=True)
+    report = json.loads(out.read_text())
+    assert len(report) == 4
+    assert "LeakyRelu" in report["all optimisations"]["nodes"]
+    assert "LeakyRelu" not in report["without ConvActivationFusion"]["nodes"]
+    for how in report.values():
+        assert set(how["relative_error"]["1"]) == {"loc", "conf", "landmarks"}
+        assert all(e == 0 for e in how["relative_error"]["1"].values())
