@@ -95,7 +95,7 @@ class RunConfig:
     kernels were 11.1 of 26.7 ms of device time), same detections as the CPU's. Off by default:
     on the same GPU it broke the RetinaFace model (hundreds of faces in a photo where the CPU
     finds one); turn it on only for a model whose GPU results you have compared with the CPU's
-    (docs/BENCHMARKS.md)."""
+    (docs/BENCHMARKS.md). Needs prefer_nhwc (in NCHW cuDNN found no fused kernel for RetinaNet's stem)."""
     tf32: bool = True
     """Let the CUDA EP run float32 convolutions and matmuls on TF32 tensor cores (ORT's default):
     faster, with ~1e-3 relative error. false for float32 results that match the CPU's closely."""
@@ -149,6 +149,9 @@ class Config:
         need(self.run.batch_size > 0, "run.batch_size", "must be > 0")
         need(self.run.num_threads > 0, "run.num_threads", "must be > 0")
         need(self.run.gpu_mem_limit_mb >= 0, "run.gpu_mem_limit_mb", "must be >= 0 (0: no cap)")
+        need(self.run.prefer_nhwc or not self.run.fuse_conv_bias, "run.fuse_conv_bias",
+             "needs run.prefer_nhwc: true (on the H200 cuDNN had no fused kernel for RetinaNet's NCHW "
+             "3-channel stem: the first batch failed); set prefer_nhwc, or fuse_conv_bias: false")
         need(self.run.gil_switch_interval_ms is None or self.run.gil_switch_interval_ms > 0,
              "run.gil_switch_interval_ms", "must be > 0, or null to leave Python's")
         need(self.model.landmarks >= 0, "model.landmarks", "must be >= 0")

@@ -78,3 +78,11 @@ def test_only_the_configs_checked_on_a_gpu_ask_ort_to_fuse_the_conv_bias(name, f
 
     config = load_config(Path(__file__).parent.parent / "configs" / f"{name}.yaml")
     assert (engine_args(config)["cuda_options"].get("fuse_conv_bias") == "1") == fused
+
+
+def test_fusing_the_conv_bias_needs_nhwc(tmp_path):
+    """In NCHW cuDNN had no fused kernel for RetinaNet's stem on the H200 (the first batch failed
+    deep in ORT): the config says so before any model loads."""
+    with pytest.raises(ConfigError, match="run.fuse_conv_bias: needs run.prefer_nhwc"):
+        load_config(write(tmp_path, "run:\n  fuse_conv_bias: true\n"))
+    assert load_config(write(tmp_path, "run:\n  fuse_conv_bias: true\n  prefer_nhwc: true\n")).run.fuse_conv_bias
