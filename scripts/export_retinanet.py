@@ -16,8 +16,9 @@ H x W is fixed (`--size`, default 800 800: the config letterboxes every image in
 
 The end-to-end graph's postprocess is torchvision's (`RetinaNet.postprocess_detections`), batched
 over the images instead of a Python loop per image: per level, top-k of the raw logits (sigmoid is
-monotonic, so it runs on the k winners only), decode with the box coder's clamp, clip to the
-input; then per-class NMS with the coordinate-offset trick (no per-class scores tensor), in two
+monotonic, so it runs on the k winners only); for all levels' winners at once (this part of the
+graph is small tensors, so its cost is ORT's launch per op), the sigmoid, the decode with the box
+coder's clamp, the clip to the input; then per-class NMS with the coordinate-offset trick (no per-class scores tensor), in two
 ways joined by one `If` per batch. The fast one runs greedy NMS on every image at once: the IoU
 matrix of each image's best `--nms-prefix` (1,024) candidates and 16 rounds of "kept unless a
 kept, better candidate overlaps it", whose fixed point is greedy NMS's answer; it holds the answer
@@ -173,6 +174,9 @@ class EndToEnd(nn.Module):
         self.level_sizes = [g[0] * g[1] * len(c) for g, c in zip(layout["grids"], layout["cell_anchors"])]
         self.topk, self.weights, self.clip = layout["topk_candidates"], tuple(layout["box_weights"]), layout["box_clip"]
         self.size_hw = size_hw
+        height, width = size_hw
+        self.register_buffer("limits", torch.tensor([width, height, width, height], dtype=torch.float32),
+                             persistent=False)
 
     def forward(self, images, score_threshold, iou_threshold, max_detections):
         logits, regression = self.heads(images)  # the model's dtype; only the winners go to float32
@@ -181,7 +185,7 @@ class EndToEnd(nn.Module):
         # gathered from the whole tensor: ORT has no views, so a per-level slice would copy the
         # logits (350 MB at batch 16) before reducing them.
         best_class = logits.amax(dim=2)  # [B, A]
-        boxes, scores, labels, start = [], [], [], 0
+        anchors, tops, labels, start = [], [], [], 0
         for n in self.level_sizes:
             k = min(self.topk, n * num_classes)
             if k < n:  # top-k pairs lie on the top-k anchors by best class (postprocess.RetinaNetHeads)
@@ -191,17 +195,18 @@ class EndToEnd(nn.Module):
                 best = torch.arange(start, start + n, device=logits.device).expand(batch, n)
                 level = logits[:, start:start + n]
             top, index = level.reshape(batch, -1).topk(k, dim=1)
-            anchor = best.gather(1, torch.div(index, num_classes, rounding_mode="floor"))
-            level_regression = regression.gather(1, anchor[..., None].expand(-1, -1, 4)).float()
-            boxes.append(decode_box_deltas(level_regression, self.anchors[anchor], self.weights, self.clip))
-            scores.append(top.float().sigmoid())
+            anchors.append(best.gather(1, torch.div(index, num_classes, rounding_mode="floor")))
+            tops.append(top)
             labels.append(index % num_classes)
             start += n
+        # Decode, sigmoid and clip once for all levels' winners: each op is a kernel launch in ORT,
+        # and this part of the graph is launch-bound (small tensors), not compute-bound.
+        anchor, labels = torch.cat(anchors, 1), torch.cat(labels, 1)
+        scores = torch.cat(tops, 1).float().sigmoid()
+        deltas = regression.gather(1, anchor[..., None].expand(-1, -1, 4)).float()
         height, width = self.size_hw
-        boxes = torch.cat(boxes, 1)
-        boxes = torch.stack([boxes[..., 0].clamp(0, width), boxes[..., 1].clamp(0, height),
-                             boxes[..., 2].clamp(0, width), boxes[..., 3].clamp(0, height)], dim=-1)
-        scores, labels = torch.cat(scores, 1), torch.cat(labels, 1)
+        boxes = decode_box_deltas(deltas, self.anchors[anchor], self.weights, self.clip)
+        boxes = torch.min(boxes.clamp(min=0), self.limits)  # clip to the input: x to width, y to height
         # Per-class NMS as one NMS: shift each class's boxes to its own region (torchvision's trick).
         shifted = boxes + (labels * (max(height, width) + 1)).to(boxes.dtype)[..., None]
         fast, settled = self.prefix_nms(shifted, scores, score_threshold, iou_threshold, max_detections)
@@ -234,10 +239,13 @@ class EndToEnd(nn.Module):
         iou = inter / (area[:, :, None] + area[:, None, :] - inter)
         earlier = torch.ones(count, count, dtype=torch.bool, device=scores.device).triu(1)  # i < j
         suppresses = ((iou > iou_threshold) & earlier & valid[:, :, None]).float()  # [B, i, j]
-        keep = previous = valid
+        # keep[j] = valid[j] and no kept i < j suppresses j, as relu(valid - keep @ suppresses) on
+        # 0/1 floats (the product counts the kept suppressors, exact in float32): three ops a round.
+        keep = previous = valid_f = valid.float()[:, None, :]  # [B, 1, P]
         for _ in range(self.steps):
             previous = keep
-            keep = valid & (torch.bmm(keep.float()[:, None, :], suppresses)[:, 0] == 0)
+            keep = torch.relu(valid_f - torch.bmm(keep, suppresses))
+        keep, previous = keep[:, 0] > 0, previous[:, 0] > 0
         kept = keep.long()
         settled = ((keep == previous).all(dim=1) &
                    ((kept.sum(1) >= max_detections) | (passed.long().sum(1) <= count))).all()
@@ -340,6 +348,7 @@ def export(model: nn.Module, contract: str, out: Path, *, size_hw: tuple[int, in
     module = module.to(device=device, dtype=dtype)
     if contract == "end_to_end":
         module.anchors = module.anchors.float()  # decode and NMS stay in float32
+        module.limits = module.limits.float()
     out.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         torch.onnx.export(module, args, str(out), input_names=inputs, output_names=outputs, opset_version=opset,

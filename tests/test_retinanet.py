@@ -422,3 +422,23 @@ def test_inspect_shows_the_contract_and_anchor_layout(exported, capsys):
     assert "anchors    5 levels, grids [[64, 64], [32, 32], [16, 16], [8, 8], [4, 4]]" in text
     assert main(["inspect", str(exported["end_to_end"])]) == 0
     assert "contract   end_to_end" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("weights", [(1.0, 1.0, 1.0, 1.0), (10.0, 10.0, 5.0, 5.0), (1.0, 2.0, 3.0, 4.0)])
+def test_box_decode_is_torchvisions(weights):
+    """decode_box_deltas (x and y side by side) against torchvision's BoxCoder.decode_single, for
+    RetinaNet's weights, Faster R-CNN's, and unequal ones (the per-axis path); with deltas large
+    enough to hit the log(1000/16) clamp."""
+    import math
+
+    from torchvision.models.detection._utils import BoxCoder
+
+    from pipeline.postprocess import decode_box_deltas
+
+    g = torch.Generator().manual_seed(0)
+    xy = torch.rand(500, 2, generator=g) * 700
+    anchors = torch.cat([xy, xy + 4 + torch.rand(500, 2, generator=g) * 300], dim=1)
+    deltas = torch.randn(500, 4, generator=g) * 3 * torch.tensor(weights)
+    clip = math.log(1000.0 / 16)
+    expected = BoxCoder(weights, bbox_xform_clip=clip).decode_single(deltas, anchors)
+    torch.testing.assert_close(decode_box_deltas(deltas, anchors, weights, clip), expected, rtol=0, atol=0)
