@@ -173,6 +173,16 @@ class EndToEnd(nn.Module):
         self.register_buffer("anchors", anchors, persistent=False)
         self.level_sizes = [g[0] * g[1] * len(c) for g, c in zip(layout["grids"], layout["cell_anchors"])]
         self.topk, self.weights, self.clip = layout["topk_candidates"], tuple(layout["box_weights"]), layout["box_clip"]
+        # The levels side by side as rows [L, widest level] of anchor ids (a short level padded
+        # with anchor 0, masked out): one TopK over all levels' rows instead of one per level.
+        widest, starts = max(self.level_sizes), [sum(self.level_sizes[:i]) for i in range(len(self.level_sizes))]
+        table = torch.zeros(len(self.level_sizes), widest, dtype=torch.long)
+        for row, (start, n) in enumerate(zip(starts, self.level_sizes)):
+            table[row, :n] = torch.arange(start, start + n)
+        self.register_buffer("level_table", table, persistent=False)
+        self.register_buffer("level_starts", torch.tensor(starts)[:, None], persistent=False)
+        self.register_buffer("level_sizes_t", torch.tensor(self.level_sizes)[:, None], persistent=False)
+        self.register_buffer("level_padding", torch.arange(widest)[None] >= self.level_sizes_t, persistent=False)
         self.size_hw = size_hw
         height, width = size_hw
         self.register_buffer("limits", torch.tensor([width, height, width, height], dtype=torch.float32),
@@ -185,24 +195,29 @@ class EndToEnd(nn.Module):
         # gathered from the whole tensor: ORT has no views, so a per-level slice would copy the
         # logits (350 MB at batch 16) before reducing them.
         best_class = logits.amax(dim=2)  # [B, A]
-        anchors, tops, labels, start = [], [], [], 0
-        for n in self.level_sizes:
-            k = min(self.topk, n * num_classes)
-            if k < n:  # top-k pairs lie on the top-k anchors by best class (postprocess.RetinaNetHeads)
-                best = best_class[:, start:start + n].topk(k, dim=1)[1] + start  # anchor ids in [0, A)
-                level = logits.gather(1, best[..., None].expand(-1, -1, num_classes))
-            else:
-                best = torch.arange(start, start + n, device=logits.device).expand(batch, n)
-                level = logits[:, start:start + n]
-            top, index = level.reshape(batch, -1).topk(k, dim=1)
-            anchors.append(best.gather(1, torch.div(index, num_classes, rounding_mode="floor")))
-            tops.append(top)
-            labels.append(index % num_classes)
-            start += n
+        # ORT's TopK gives each row one CUDA block: per level it would run 16 blocks, one per
+        # image, on a GPU of 132 SMs. So the levels go side by side as rows, [B, L, widest level],
+        # and one TopK takes every level's winners (docs/BENCHMARKS.md: 5 x 2 TopKs -> 2).
+        lowest = torch.finfo(logits.dtype).min
+        levels = len(self.level_sizes)
+        k = min(self.topk, max(self.level_sizes))
+        rows = best_class[:, self.level_table].masked_fill(self.level_padding, lowest)  # [B, L, widest]
+        # Top-k pairs lie on the top-k anchors by best class (postprocess.RetinaNetHeads); a level
+        # of fewer than k anchors keeps them all, and the padding it drew is masked from here on.
+        slot = rows.topk(k, dim=2)[1]  # [B, L, k] positions in each level's row
+        real = slot < self.level_sizes_t  # [B, L, k]
+        anchor = torch.where(real, slot + self.level_starts, 0).reshape(batch, levels * k)
+        pairs = logits.gather(1, anchor[..., None].expand(-1, -1, num_classes))  # [B, L * k, K]
+        pairs = pairs.masked_fill(~real.reshape(batch, levels * k, 1), lowest).reshape(batch, levels, k * num_classes)
+        top, index = pairs.topk(min(self.topk, k * num_classes), dim=2)  # [B, L, k2], best first
+        row = torch.div(index, num_classes, rounding_mode="floor")
+        found = real.gather(2, row).reshape(batch, -1)  # False: padding (a level of < k2 pairs)
+        anchor = anchor.reshape(batch, levels, k).gather(2, row).reshape(batch, -1)
+        labels = (index % num_classes).reshape(batch, -1)
+        top = top.reshape(batch, -1)
         # Decode, sigmoid and clip once for all levels' winners: each op is a kernel launch in ORT,
         # and this part of the graph is launch-bound (small tensors), not compute-bound.
-        anchor, labels = torch.cat(anchors, 1), torch.cat(labels, 1)
-        scores = torch.cat(tops, 1).float().sigmoid()
+        scores = torch.where(found, top.float().sigmoid(), float("-inf"))  # padding never passes
         deltas = regression.gather(1, anchor[..., None].expand(-1, -1, 4)).float()
         height, width = self.size_hw
         boxes = decode_box_deltas(deltas, self.anchors[anchor], self.weights, self.clip)
@@ -303,10 +318,19 @@ def torchvision_detections(model: nn.Module, images: torch.Tensor, *, score_thre
                            max_detections: int) -> list[dict[str, torch.Tensor]]:
     """torchvision's eager detections on already-normalized images [B, 3, H, W] (its transform,
     which resizes and normalizes, is skipped so both sides see the same tensors)."""
-    model.score_thresh, model.nms_thresh, model.detections_per_img = score_threshold, iou_threshold, max_detections
     with torch.no_grad():
         features = list(model.backbone(images).values())
         head = model.head(features)
+    return torchvision_postprocess(model, images, head, score_threshold=score_threshold,
+                                   iou_threshold=iou_threshold, max_detections=max_detections)
+
+
+def torchvision_postprocess(model: nn.Module, images: torch.Tensor, head: dict[str, torch.Tensor], *,
+                            score_threshold: float, iou_threshold: float, max_detections: int):
+    """torchvision's postprocess of the head's outputs (cls_logits [B, A, K], bbox_regression)."""
+    model.score_thresh, model.nms_thresh, model.detections_per_img = score_threshold, iou_threshold, max_detections
+    with torch.no_grad():
+        features = list(model.backbone(images[:1]).values())
         image_list = ImageList(images, [tuple(images.shape[-2:])] * len(images))
         anchors = model.anchor_generator(image_list, features)
         per_level = [f.shape[-2] * f.shape[-1] * model.anchor_generator.num_anchors_per_location()[0]

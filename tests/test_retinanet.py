@@ -36,14 +36,18 @@ CONFIG = ROOT / "configs" / "retinanet_r50_coco.yaml"
 THRESHOLDS = dict(score_threshold=0.05, iou_threshold=0.5, max_detections=300)
 
 
-@pytest.fixture(scope="module")
-def model():
-    model = exporter.build_model("retinanet_resnet50_fpn", None, 91, seed=0)
-    with torch.no_grad():  # spread the scores (see the module docstring)
+def spread(model):
+    """Scores spread out (see the module docstring)."""
+    with torch.no_grad():
         model.head.classification_head.cls_logits.weight.normal_(0, 0.03)
         model.head.classification_head.cls_logits.bias.fill_(-4.0)
         model.head.regression_head.bbox_reg.weight.normal_(0, 0.02)
     return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return spread(exporter.build_model("retinanet_resnet50_fpn", None, 91, seed=0))
 
 
 @pytest.fixture(scope="module")
@@ -66,20 +70,25 @@ def images() -> torch.Tensor:
     return torch.randn(BATCH, 3, *SIZE, generator=torch.Generator().manual_seed(1))
 
 
-@pytest.fixture(scope="module")
-def thresholds(model, images) -> dict:
+def above_the_borders(model, images) -> dict:
     """torchvision's defaults, with the score threshold raised just above every level's 1,000th
     best score: candidates of equal fp32 score at that top-k border could otherwise go either way
     (ORT's TopK and torch's break ties differently). Thousands of candidates still reach NMS."""
     with torch.no_grad():
         logits, _ = exporter.Heads(model)(images)
-    layout = exporter.anchor_layout(model, SIZE)
-    borders, start = [], 0
+    layout = exporter.anchor_layout(model, tuple(images.shape[-2:]))
+    borders, start = [0.0], 0
     for (rows, cols), cell in zip(layout["grids"], layout["cell_anchors"]):
-        n = rows * cols * len(cell)
-        borders.append(logits[:, start:start + n].flatten(1).sigmoid().topk(1000, dim=1).values[:, -1].max())
-        start += n
-    return dict(THRESHOLDS, score_threshold=float(max(borders)) + 1e-4)
+        level = logits[:, start:start + rows * cols * len(cell)].flatten(1).sigmoid()
+        if level.shape[1] > 1000:  # a level of fewer pairs sends them all: no border
+            borders.append(float(level.topk(1000, dim=1).values[:, -1].max()))
+        start += rows * cols * len(cell)
+    return dict(THRESHOLDS, score_threshold=max(borders) + 1e-4)
+
+
+@pytest.fixture(scope="module")
+def thresholds(model, images) -> dict:
+    return above_the_borders(model, images)
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +161,60 @@ def test_end_to_end_model_gives_torchvisions_detections(exported, images, refere
         assert np.all(np.diff(out["scores"][rows]) <= 0)  # best first
         assert_same_detections(out["boxes"][rows], out["scores"][rows], out["labels"][rows], expected,
                                box_tol=0.5, score_tol=1e-4)
+
+
+def test_levels_of_fewer_pairs_than_the_top_k(images, tmp_path):
+    """Two classes: P7 (144 anchors at 512 x 512) has 288 pairs, fewer than the top 1,000, and
+    P6/P7 fewer anchors than 1,000. The end-to-end graph takes every level's winners in one TopK
+    over rows padded to the widest level; the padding must never become a detection."""
+    model = spread(exporter.build_model("retinanet_resnet50_fpn", None, 2, seed=3))
+    path = tmp_path / "two_classes.onnx"
+    exporter.export(model, "end_to_end", path, size_hw=SIZE, batch_size=BATCH, dynamic_batch=False, fp16=False,
+                    device="cpu")
+    thresholds = above_the_borders(model, images)
+    expected = exporter.torchvision_detections(model, images, **thresholds)
+    out = {k: v.numpy() for k, v in Engine(path, device=Device("cpu"), scalars=thresholds).run(images).items()}
+    for b, want in enumerate(expected):
+        rows = out["batch_index"] == b
+        assert_same_detections(out["boxes"][rows], out["scores"][rows], out["labels"][rows], want,
+                               box_tol=0.5, score_tol=1e-4)
+    assert set(out["labels"]) <= {0, 1}
+
+
+class FixedHeads(torch.nn.Module):
+    def __init__(self, logits, regression):
+        super().__init__()
+        self.outputs = logits, regression
+
+    def forward(self, images):
+        return self.outputs
+
+
+def test_padding_never_displaces_a_candidate(images):
+    """The levels' rows are padded to the widest level with anchor 0; here anchor 0 has the best
+    score of every class, so any padding that took part in a TopK would push out a level's real
+    candidates, or come back as a detection. The graph's module in eager torch, on the head outputs
+    (the ORT export is the test above), against torchvision's postprocess of the same outputs."""
+    model = spread(exporter.build_model("retinanet_resnet50_fpn", None, 2, seed=3))
+    module = exporter.EndToEnd(model, SIZE).eval()
+    with torch.no_grad():
+        logits, regression = module.heads(images)
+    small = sum(module.level_sizes[:3])  # P6 and P7: fewer anchors than the top 1,000
+    logits[:, small:] += 3.0  # their candidates make most of the 300 detections
+    logits[:, 0] = 9.0
+    module.heads = FixedHeads(logits, regression)
+    thresholds = dict(THRESHOLDS)
+    expected = exporter.torchvision_postprocess(model, images, {"cls_logits": logits, "bbox_regression": regression},
+                                                **thresholds)
+    scalars = [torch.tensor([thresholds[k]]) for k in ("score_threshold", "iou_threshold", "max_detections")]
+    with torch.no_grad():
+        outputs = module(images, *scalars)  # the fast path's four, `settled`, the exact path's four
+    boxes, scores, labels, image = outputs[:4] if outputs[4] else outputs[5:]  # the graph's If
+    assert all(len(want["scores"]) == 300 for want in expected)
+    for b, want in enumerate(expected):
+        rows = image == b
+        assert_same_detections(boxes[rows].numpy(), scores[rows].numpy(), labels[rows].numpy(), want,
+                               box_tol=1e-3, score_tol=1e-6)
 
 
 def test_heads_model_gives_torchvisions_detections(exported, images, reference, thresholds):
