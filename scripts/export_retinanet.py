@@ -248,15 +248,20 @@ class EndToEnd(nn.Module):
         top, order = torch.where(passed, scores, torch.full_like(scores, -1.0)).topk(count, dim=1)
         valid = top >= 0  # scores are sigmoids; -1 marks a candidate below the threshold
         b = shifted.gather(1, order[..., None].expand(-1, -1, 4))  # [B, P, 4], best first
-        area = (b[..., 2] - b[..., 0]) * (b[..., 3] - b[..., 1])
-        wh = (torch.min(b[:, :, None, 2:], b[:, None, :, 2:]) - torch.max(b[:, :, None, :2], b[:, None, :, :2]))
-        inter = wh.clamp(min=0).prod(-1)
-        iou = inter / (area[:, :, None] + area[:, None, :] - inter)
+        x1, y1, x2, y2 = (b[..., i] for i in range(4))  # [B, P] each
+        area = (x2 - x1) * (y2 - y1)
+        # The IoU matrix [B, P, P], x and y apart: no [B, P, P, 2] tensor, no reduction over its
+        # last axis of 2 (ORT's reductions are slow on a short innermost axis).
+        w = (torch.min(x2[:, :, None], x2[:, None]) - torch.max(x1[:, :, None], x1[:, None])).clamp(min=0)
+        h = (torch.min(y2[:, :, None], y2[:, None]) - torch.max(y1[:, :, None], y1[:, None])).clamp(min=0)
+        inter = w * h
+        iou = inter / (area[:, :, None] + area[:, None] - inter)
         earlier = torch.ones(count, count, dtype=torch.bool, device=scores.device).triu(1)  # i < j
-        suppresses = ((iou > iou_threshold) & earlier & valid[:, :, None]).float()  # [B, i, j]
+        suppresses = ((iou > iou_threshold) & (earlier & valid[:, :, None])).half()  # [B, i, j]
         # keep[j] = valid[j] and no kept i < j suppresses j, as relu(valid - keep @ suppresses) on
-        # 0/1 floats (the product counts the kept suppressors, exact in float32): three ops a round.
-        keep = previous = valid_f = valid.float()[:, None, :]  # [B, 1, P]
+        # 0/1 halves: the product counts the kept suppressors (at most P = 1,024, an integer fp16
+        # holds exactly), and a round reads half the bytes float32 would. Three ops a round.
+        keep = previous = valid_f = valid.half()[:, None, :]  # [B, 1, P]
         for _ in range(self.steps):
             previous = keep
             keep = torch.relu(valid_f - torch.bmm(keep, suppresses))
