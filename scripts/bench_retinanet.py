@@ -76,9 +76,10 @@ def summary(times: list[float], batch: int) -> dict:
 
 def ort_engine(path: Path, *, nhwc: bool, cuda_graph: bool = False, score_threshold: float = 0.05,
                extra: dict[str, str] | None = None) -> Engine:
-    """ORT with the RetinaNet config's CUDA EP options (fuse_conv_bias; prefer_nhwc when nhwc),
-    `extra` on top."""
-    options = {"fuse_conv_bias": "1", **({"prefer_nhwc": "1"} if nhwc else {}), **(extra or {})}
+    """ORT with the RetinaNet config's CUDA EP options when nhwc (prefer_nhwc, fuse_conv_bias),
+    ORT's defaults otherwise (in NCHW cuDNN found no fused kernel for the stem: gpudet's config
+    refuses fuse_conv_bias without prefer_nhwc), `extra` on top."""
+    options = {**({"prefer_nhwc": "1", "fuse_conv_bias": "1"} if nhwc else {}), **(extra or {})}
     if cuda_graph:
         options["enable_cuda_graph"] = "1"
     return Engine(path, device=resolve_device(DEVICE), cuda_options=options,
@@ -313,7 +314,7 @@ def gpudet_runs(list_file: str, files: dict[str, Path], batch: int, log) -> dict
                                      "stages_s": stages}
         log(f"gpudet {name}: {rate:.1f} img/s, {stages}")
     config = load_config(CONFIG, [f"model.path={files['e2e_fp32_dynamic']}", f"run.device={DEVICE}", "run.batch_size=1",
-                                  "run.prefer_nhwc=false"])
+                                  "run.prefer_nhwc=false", "run.fuse_conv_bias=false"])
     detector = Detector(config)
     rate = naive_images_per_s(refs[:64], detector)
     results[NAIVE] = {"images_per_s": round(rate, 2)}
