@@ -15,11 +15,13 @@ Memcpy nodes on the CUDA EP and CUDA graphs become possible), or dynamic with `-
 H x W is fixed (`--size`, default 800 800: the config letterboxes every image into it).
 
 The end-to-end graph's postprocess is torchvision's (`RetinaNet.postprocess_detections`), batched
-over the images instead of a Python loop per image: per level, top-k of the raw logits (sigmoid is
-monotonic, so it runs on the k winners only); for all levels' winners at once (this part of the
-graph is small tensors, so its cost is ORT's launch per op), the sigmoid, the decode with the box
-coder's clamp, the clip to the input; then per-class NMS with the coordinate-offset trick (no per-class scores tensor), in two
-ways joined by one `If` per batch. The fast one runs greedy NMS on every image at once: the IoU
+over the images instead of a Python loop per image: each level's top-k (anchor, class) pairs of
+the raw logits (sigmoid is monotonic, so it runs on the winners only), found on the level's top-k
+anchors by best class, with the levels side by side as rows of one TopK (ORT's TopK runs one CUDA
+block per row: per level, 16 rows would leave most of the GPU idle); for all levels' winners at
+once, the sigmoid, the decode with the box coder's clamp, the clip to the input; then per-class NMS
+with the coordinate-offset trick (no per-class scores tensor), in two ways joined by one `If` per
+batch. The fast one runs greedy NMS on every image at once: the IoU
 matrix of each image's best `--nms-prefix` (1,024) candidates and 16 rounds of "kept unless a
 kept, better candidate overlaps it", whose fixed point is greedy NMS's answer; it holds the answer
 when the rounds reached that fixed point and the prefix holds 300 kept or all the candidates above
@@ -197,7 +199,7 @@ class EndToEnd(nn.Module):
         best_class = logits.amax(dim=2)  # [B, A]
         # ORT's TopK gives each row one CUDA block: per level it would run 16 blocks, one per
         # image, on a GPU of 132 SMs. So the levels go side by side as rows, [B, L, widest level],
-        # and one TopK takes every level's winners (docs/BENCHMARKS.md: 5 x 2 TopKs -> 2).
+        # and one TopK takes every level's winners (at 800 x 800: 9 TopKs -> 2; docs/BENCHMARKS.md).
         lowest = torch.finfo(logits.dtype).min
         levels = len(self.level_sizes)
         k = min(self.topk, max(self.level_sizes))
@@ -216,7 +218,7 @@ class EndToEnd(nn.Module):
         labels = (index % num_classes).reshape(batch, -1)
         top = top.reshape(batch, -1)
         # Decode, sigmoid and clip once for all levels' winners: each op is a kernel launch in ORT,
-        # and this part of the graph is launch-bound (small tensors), not compute-bound.
+        # and on these small tensors the launches cost more than the work.
         scores = torch.where(found, top.float().sigmoid(), float("-inf"))  # padding never passes
         deltas = regression.gather(1, anchor[..., None].expand(-1, -1, 4)).float()
         height, width = self.size_hw
