@@ -61,3 +61,15 @@ def test_probe_fuse_whole_model_under_each_optimisation(tmp_path):
     for how in report.values():
         assert set(how["relative_error"]["1"]) == {"loc", "conf", "landmarks"}
         assert all(e == 0 for e in how["relative_error"]["1"].values())
+
+
+def test_probe_e2e_ops_alternatives_give_the_per_anchor_maxima(tmp_path):
+    """scripts/probe_e2e_ops.py (a GPU measurement) on the CPU at batch 1: every best-class way
+    it times is checked against numpy's maxima inside the script (it exits non-zero otherwise)."""
+    import json
+
+    out = tmp_path / "ops.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_e2e_ops.py"), "--device", "cpu", "--batch", "1",
+                    "--iters", "1", "--json", str(out)], check=True, capture_output=True, cwd=ROOT, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert sum("best class" in row["op"] for row in rows) == 8 and all(row["ms"] > 0 for row in rows)
