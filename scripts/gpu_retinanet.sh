@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # RetinaNet on the H200 (issues 3, 4, 7): the GPU tests, the side-by-side benchmark, and with two
 # GPUs the --devices and Ray runs. Usage (GPU machine, wheels installed, PYTHONPATH set):
-#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|kernels|fuse|retinaface|probe|ab|latency|scale
+#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|ab|latency|scale
 set -uo pipefail
 OUT=${OUT:-/tmp/gpudet-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -47,8 +47,33 @@ case "${1:-}" in
         $PY scripts/probe_fuse.py $m $nhwc --batch 1 4 8 32 2>&1 | grep -v "^\[" | tee -a "$OUT/fuse.txt"
       done
     done
+    $PY scripts/probe_fuse.py models/retinaface_mnet025.onnx --nhwc --whole --batch 1 8 32 2>&1 | grep -v "^\[" \
+      | tee -a "$OUT/fuse.txt"  # the default model: decode and NonMaxSuppression in the graph
     [ -f $WORK/retinanet_heads_fp16.onnx ] && $PY scripts/probe_fuse.py $WORK/retinanet_heads_fp16.onnx --nhwc \
       --batch 16 2>&1 | tee -a "$OUT/fuse.txt"
+    ;;
+  fusedetect)  # gpudet detect on the sample photos with fuse_conv_bias, per RetinaFace config and batch size, vs the CPU
+    for cfg in retinaface_mnet025 retinaface_mnet025_heads retinaface_mnet025_heads_fp16; do
+      $PY -m pipeline detect samples --config configs/$cfg.yaml --device cpu --out /tmp/fd_${cfg}_cpu --overwrite \
+        --quiet 2>&1 | quiet | tail -2
+      for bs in 1 3 8 32; do
+        $PY -m pipeline detect samples --config configs/$cfg.yaml --device cuda --batch-size $bs --set run.prefer_nhwc=true \
+          --set run.fuse_conv_bias=true --out /tmp/fd_${cfg}_$bs --overwrite --quiet 2>&1 | quiet | tail -2
+      done
+    done
+    $PY - <<'PY' | tee "$OUT/fusedetect.txt"
+import glob, json, collections
+def counts(folder):
+    c = collections.Counter()
+    for line in open(f"{folder}/detections.jsonl"):
+        r = json.loads(line)
+        c[r["path"].split("/")[-1]] += len(r["detections"])
+    return dict(sorted(c.items()))
+for cfg in ("retinaface_mnet025", "retinaface_mnet025_heads", "retinaface_mnet025_heads_fp16"):
+    print(cfg, "cpu", counts(f"/tmp/fd_{cfg}_cpu"))
+    for bs in (1, 3, 8, 32):
+        print(cfg, f"cuda fused, batch {bs}", counts(f"/tmp/fd_{cfg}_{bs}"))
+PY
     ;;
   retinaface)  # gpudet bench on the default model, end-to-end and raw-heads configs (the latter also compiled)
     images
@@ -127,5 +152,5 @@ print("one GPU, img/s after setup:", a["images_per_s"], "| two workers, per work
       [w.get("images_per_s") for w in b.get("workers", [])], "| wall totals:", a["seconds"]["total"], b["seconds"]["total"])
 PY
     ;;
-  *) echo "usage: $0 tests|bench|profile|kernels|fuse|retinaface|probe|ab|latency|scale" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|ab|latency|scale" >&2; exit 2 ;;
 esac
