@@ -21,9 +21,9 @@ anchors by best class, with the levels side by side as rows of one TopK (ORT's T
 block per row: per level, 16 rows would leave most of the GPU idle); for all levels' winners at
 once, the sigmoid, the decode with the box coder's clamp, the clip to the input; then per-class NMS
 with the coordinate-offset trick (no per-class scores tensor), in two ways joined by one `If` per
-batch. The fast one runs greedy NMS on every image at once: the IoU
-matrix of each image's best `--nms-prefix` (1,024) candidates and 16 rounds of "kept unless a
-kept, better candidate overlaps it", whose fixed point is greedy NMS's answer; it holds the answer
+batch. The fast one runs greedy NMS on every image at once: the IoU matrix of each image's best
+`--nms-prefix` (1,024) candidates and 16 rounds of "kept unless a kept, better candidate overlaps
+it" (on fp16 0/1 matrices), whose fixed point is greedy NMS's answer; it holds the answer
 when the rounds reached that fixed point and the prefix holds 300 kept or all the candidates above
 the threshold. Any image where that fails sends the batch to the other way, one
 `NonMaxSuppression` over [B, 1, 5 x top-k], which ORT runs image after image with a host
@@ -183,8 +183,8 @@ class EndToEnd(nn.Module):
             table[row, :n] = torch.arange(start, start + n)
         self.register_buffer("level_table", table, persistent=False)
         self.register_buffer("level_starts", torch.tensor(starts)[:, None], persistent=False)
-        self.register_buffer("level_sizes_t", torch.tensor(self.level_sizes)[:, None], persistent=False)
-        self.register_buffer("level_padding", torch.arange(widest)[None] >= self.level_sizes_t, persistent=False)
+        self.register_buffer("level_lengths", torch.tensor(self.level_sizes)[:, None], persistent=False)
+        self.register_buffer("level_padding", torch.arange(widest)[None] >= self.level_lengths, persistent=False)
         self.size_hw = size_hw
         height, width = size_hw
         self.register_buffer("limits", torch.tensor([width, height, width, height], dtype=torch.float32),
@@ -207,7 +207,7 @@ class EndToEnd(nn.Module):
         # Top-k pairs lie on the top-k anchors by best class (postprocess.RetinaNetHeads); a level
         # of fewer than k anchors keeps them all, and the padding it drew is masked from here on.
         slot = rows.topk(k, dim=2)[1]  # [B, L, k] positions in each level's row
-        real = slot < self.level_sizes_t  # [B, L, k]
+        real = slot < self.level_lengths  # [B, L, k]
         anchor = torch.where(real, slot + self.level_starts, 0).reshape(batch, levels * k)
         pairs = logits.gather(1, anchor[..., None].expand(-1, -1, num_classes))  # [B, L * k, K]
         pairs = pairs.masked_fill(~real.reshape(batch, levels * k, 1), lowest).reshape(batch, levels, k * num_classes)
