@@ -177,14 +177,12 @@ class EndToEnd(nn.Module):
         self.topk, self.weights, self.clip = layout["topk_candidates"], tuple(layout["box_weights"]), layout["box_clip"]
         # The levels side by side as rows [L, widest level] of anchor ids (a short level padded
         # with anchor 0, masked out): one TopK over all levels' rows instead of one per level.
-        widest, starts = max(self.level_sizes), [sum(self.level_sizes[:i]) for i in range(len(self.level_sizes))]
-        table = torch.zeros(len(self.level_sizes), widest, dtype=torch.long)
-        for row, (start, n) in enumerate(zip(starts, self.level_sizes)):
-            table[row, :n] = torch.arange(start, start + n)
-        self.register_buffer("level_table", table, persistent=False)
-        self.register_buffer("level_starts", torch.tensor(starts)[:, None], persistent=False)
-        self.register_buffer("level_lengths", torch.tensor(self.level_sizes)[:, None], persistent=False)
-        self.register_buffer("level_padding", torch.arange(widest)[None] >= self.level_lengths, persistent=False)
+        lengths = torch.tensor(self.level_sizes)[:, None]  # [L, 1]
+        starts, positions = lengths.cumsum(0) - lengths, torch.arange(max(self.level_sizes))[None]
+        self.register_buffer("level_starts", starts, persistent=False)
+        self.register_buffer("level_lengths", lengths, persistent=False)
+        self.register_buffer("level_padding", positions >= lengths, persistent=False)
+        self.register_buffer("level_table", torch.where(self.level_padding, 0, positions + starts), persistent=False)
         self.size_hw = size_hw
         height, width = size_hw
         self.register_buffer("limits", torch.tensor([width, height, width, height], dtype=torch.float32),
@@ -328,16 +326,19 @@ def torchvision_detections(model: nn.Module, images: torch.Tensor, *, score_thre
     with torch.no_grad():
         features = list(model.backbone(images).values())
         head = model.head(features)
-    return torchvision_postprocess(model, images, head, score_threshold=score_threshold,
+    return torchvision_postprocess(model, images, head, features=features, score_threshold=score_threshold,
                                    iou_threshold=iou_threshold, max_detections=max_detections)
 
 
 def torchvision_postprocess(model: nn.Module, images: torch.Tensor, head: dict[str, torch.Tensor], *,
-                            score_threshold: float, iou_threshold: float, max_detections: int):
-    """torchvision's postprocess of the head's outputs (cls_logits [B, A, K], bbox_regression)."""
+                            score_threshold: float, iou_threshold: float, max_detections: int,
+                            features: list[torch.Tensor] | None = None):
+    """torchvision's postprocess of the head's outputs (cls_logits [B, A, K], bbox_regression).
+    features: the backbone's for these images (their shapes place the anchors), else computed."""
     model.score_thresh, model.nms_thresh, model.detections_per_img = score_threshold, iou_threshold, max_detections
     with torch.no_grad():
-        features = list(model.backbone(images[:1]).values())
+        if features is None:
+            features = list(model.backbone(images[:1]).values())
         image_list = ImageList(images, [tuple(images.shape[-2:])] * len(images))
         anchors = model.anchor_generator(image_list, features)
         per_level = [f.shape[-2] * f.shape[-1] * model.anchor_generator.num_anchors_per_location()[0]

@@ -26,7 +26,7 @@ import export_retinanet as exporter  # noqa: E402
 
 from pipeline import Detector  # noqa: E402
 from pipeline.device import Device  # noqa: E402
-from pipeline.engine import Engine  # noqa: E402
+from pipeline.engine import SCALAR_INPUTS, Engine  # noqa: E402
 from pipeline.postprocess import RetinaNetHeads, to_device_meta  # noqa: E402
 from pipeline.source import list_images  # noqa: E402
 
@@ -139,12 +139,8 @@ def settled(path: Path, images: torch.Tensor, thresholds: dict) -> bool:
     proto = onnx.load(str(path))
     proto.graph.output.append(onnx.helper.make_tensor_value_info("settled", onnx.TensorProto.BOOL, []))
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    feeds = {"images": images.numpy(), **{k: np.array([v], exporter_dtype(k)) for k, v in thresholds.items()}}
+    feeds = {"images": images.numpy(), **{k: np.array([v], SCALAR_INPUTS[k]) for k, v in thresholds.items()}}
     return bool(session.run(["settled"], feeds)[0])
-
-
-def exporter_dtype(name: str):
-    return np.int64 if name == "max_detections" else np.float32
 
 
 @pytest.mark.parametrize("path", ["end_to_end", "end_to_end_nms_path"])
@@ -203,10 +199,9 @@ def test_padding_never_displaces_a_candidate(images):
     logits[:, small:] += 3.0  # their candidates make most of the 300 detections
     logits[:, 0] = 9.0
     module.heads = FixedHeads(logits, regression)
-    thresholds = dict(THRESHOLDS)
     expected = exporter.torchvision_postprocess(model, images, {"cls_logits": logits, "bbox_regression": regression},
-                                                **thresholds)
-    scalars = [torch.tensor([thresholds[k]]) for k in ("score_threshold", "iou_threshold", "max_detections")]
+                                                **THRESHOLDS)
+    scalars = [torch.tensor([THRESHOLDS[k]]) for k in ("score_threshold", "iou_threshold", "max_detections")]
     with torch.no_grad():
         outputs = module(images, *scalars)  # the fast path's four, `settled`, the exact path's four
     boxes, scores, labels, image = outputs[:4] if outputs[4] else outputs[5:]  # the graph's If
