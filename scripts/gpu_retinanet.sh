@@ -62,7 +62,7 @@ case "${1:-}" in
       done
     done
     $PY - <<'PY' | tee "$OUT/fusedetect.txt"
-import glob, json, collections
+import collections, json
 def counts(folder):
     c = collections.Counter()
     for line in open(f"{folder}/detections.jsonl"):

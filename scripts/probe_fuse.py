@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -97,19 +98,21 @@ def whole(path: Path, base: dict[str, str], batches: list[int], rng) -> dict:
     model = path.read_bytes()
     report = {}
     for label, how in WHOLE.items():
-        saved = Path(f"/tmp/probe_fuse_{abs(hash(label))}.onnx")
-        plain, fused = session(model, base, **how), session(model, {**base, "fuse_conv_bias": "1"}, **how, save=saved)
-        image, feeds = inputs(plain)
+        with tempfile.TemporaryDirectory() as folder:
+            saved = Path(folder) / "optimised.onnx"
+            plain = session(model, base, **how)
+            fused = session(model, {**base, "fuse_conv_bias": "1"}, **how, save=saved)
+            nodes = fused_nodes(saved)
+        image, scalars = inputs(plain)
+        names = [o.name for o in plain.get_outputs()]
         rows = {}
         for batch in batches:
-            x = rng.standard_normal(shape_of(image, batch, path)) * 50
-            feed = {image.name: x.astype(np.float16 if "float16" in image.type else np.float32), **feeds}
-            names = [o.name for o in plain.get_outputs()]
-            want, got = plain.run(names, feed), fused.run(names, feed)
+            feeds = {image.name: random_input(image, batch, path, rng), **scalars}
+            want, got = plain.run(names, feeds), fused.run(names, feeds)
             # an end-to-end model's outputs (detections) may differ in count: then the shapes say it
             rows[batch] = {n: relative(w, g) if w.shape == g.shape else f"shape {list(w.shape)} vs {list(g.shape)}"
                            for n, w, g in zip(names, want, got)}
-        report[label] = {"nodes": fused_nodes(saved), "relative_error": rows}
+        report[label] = {"nodes": nodes, "relative_error": rows}
         print(f"{label}: {report[label]['nodes']}")
         for batch, errors in rows.items():
             print(f"  batch {batch}: " + ", ".join(f"{n} {e if isinstance(e, str) else f'{e:.3g}'}"
@@ -118,6 +121,7 @@ def whole(path: Path, base: dict[str, str], batches: list[int], rng) -> dict:
 
 
 def relative(want: np.ndarray, got: np.ndarray) -> float:
+    """max |want - got| over max |want|."""
     want, got = want.astype(np.float32), got.astype(np.float32)
     return float(np.abs(want - got).max() / max(float(np.abs(want).max()), 1e-6)) if want.size else 0.0
 
@@ -130,11 +134,12 @@ def inputs(sess: ort.InferenceSession):
     return image, scalars
 
 
-def shape_of(image, batch: int, path: Path) -> list[int]:
+def random_input(image, batch: int, path: Path, rng) -> np.ndarray:
+    """A random image batch (x 50: the magnitudes of normalised pixels and beyond) in the input's dtype."""
     shape = [batch if not isinstance(d, int) or i == 0 else d for i, d in enumerate(image.shape)]
     if any(not isinstance(d, int) for d in shape):
         sys.exit(f"{path}: input {image.name} {image.shape} has free dimensions other than the batch")
-    return shape
+    return (rng.standard_normal(shape) * 50).astype(np.float16 if "float16" in image.type else np.float32)
 
 
 def main() -> None:
@@ -157,21 +162,15 @@ def main() -> None:
     model, convs = exposed(a.model)
     plain, fused = session(model, base), session(model, {**base, "fuse_conv_bias": "1"})
     image, scalars = inputs(plain)  # an end-to-end model's NMS outputs are not compared
-    dtype = np.float16 if "float16" in image.type else np.float32
     outputs = [o.name for o in plain.get_outputs()]
     report = {"model": str(a.model), "providers": plain.get_providers(), "options": base, "batches": {}}
     print(f"{a.model}: {len(convs)} Conv nodes ({sum(c['group'] > 1 for c in convs)} grouped), "
           f"providers {plain.get_providers()[0]}, options {base}")
     for batch in a.batch:
-        x = (rng.standard_normal(shape_of(image, batch, a.model)) * 50).astype(dtype)
-        feeds = {image.name: x, **scalars}
+        feeds = {image.name: random_input(image, batch, a.model, rng), **scalars}
         want = dict(zip(outputs, plain.run(outputs, feeds)))
         got = dict(zip(outputs, fused.run(outputs, feeds)))
-        rows = []
-        for c in convs:
-            p, f = want[c["output"]].astype(np.float32), got[c["output"]].astype(np.float32)
-            error = float(np.abs(p - f).max() / max(float(np.abs(p).max()), 1e-6))
-            rows.append({**c, "relative_error": error})
+        rows = [{**c, "relative_error": relative(want[c["output"]], got[c["output"]])} for c in convs]
         wrong = [r for r in rows if r["relative_error"] > TOLERANCE]
         report["batches"][batch] = rows
         print(f"batch {batch}: {len(wrong)} of {len(rows)} convolutions differ by more than {TOLERANCE:g}")
