@@ -53,27 +53,28 @@ case "${1:-}" in
       --batch 16 2>&1 | tee -a "$OUT/fuse.txt"
     ;;
   fusedetect)  # gpudet detect on the sample photos with fuse_conv_bias, per RetinaFace config and batch size, vs the CPU
-    for cfg in retinaface_mnet025 retinaface_mnet025_heads retinaface_mnet025_heads_fp16; do
+    # (postprocess.compile off: the question is the model's outputs; each run's counts are written as it ends)
+    counts() {  # FOLDER LABEL: faces per photo
+      $PY - "$1" "$2" <<'PY' | tee -a "$OUT/fusedetect.txt"
+import collections, json, sys
+c = collections.Counter()
+for line in open(f"{sys.argv[1]}/detections.jsonl"):
+    r = json.loads(line)
+    c[r["path"].split("/")[-1]] += len(r["detections"])
+print(sys.argv[2], dict(sorted(c.items())))
+PY
+    }
+    for cfg in ${CONFIGS:-retinaface_mnet025_heads_fp16 retinaface_mnet025_heads retinaface_mnet025}; do
       $PY -m pipeline detect samples --config configs/$cfg.yaml --device cpu --out /tmp/fd_${cfg}_cpu --overwrite \
         --quiet 2>&1 | quiet | tail -2
-      for bs in 1 3 8 32; do
+      counts /tmp/fd_${cfg}_cpu "$cfg cpu"
+      for bs in ${BATCHES:-1 8 32}; do
         $PY -m pipeline detect samples --config configs/$cfg.yaml --device cuda --batch-size $bs --set run.prefer_nhwc=true \
-          --set run.fuse_conv_bias=true --out /tmp/fd_${cfg}_$bs --overwrite --quiet 2>&1 | quiet | tail -2
+          --set run.fuse_conv_bias=true --set postprocess.compile=false --out /tmp/fd_${cfg}_$bs --overwrite --quiet \
+          2>&1 | quiet | tail -2
+        counts /tmp/fd_${cfg}_$bs "$cfg cuda fused, batch $bs"
       done
     done
-    $PY - <<'PY' | tee "$OUT/fusedetect.txt"
-import collections, json
-def counts(folder):
-    c = collections.Counter()
-    for line in open(f"{folder}/detections.jsonl"):
-        r = json.loads(line)
-        c[r["path"].split("/")[-1]] += len(r["detections"])
-    return dict(sorted(c.items()))
-for cfg in ("retinaface_mnet025", "retinaface_mnet025_heads", "retinaface_mnet025_heads_fp16"):
-    print(cfg, "cpu", counts(f"/tmp/fd_{cfg}_cpu"))
-    for bs in (1, 3, 8, 32):
-        print(cfg, f"cuda fused, batch {bs}", counts(f"/tmp/fd_{cfg}_{bs}"))
-PY
     ;;
   retinaface)  # gpudet bench on the default model, end-to-end and raw-heads configs (the latter also compiled)
     images
