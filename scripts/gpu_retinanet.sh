@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # RetinaNet on the H200 (issues 3, 4, 7): the GPU tests, the side-by-side benchmark, and with two
 # GPUs the --devices and Ray runs. Usage (GPU machine, wheels installed, PYTHONPATH set):
-#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|ab|latency|scale
+#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|ab|latency|scale
 set -uo pipefail
 OUT=${OUT:-/tmp/gpudet-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -97,6 +97,14 @@ PY
         $sets --json "$OUT/bench_$tag.json" 2>&1 | quiet | tee -a "$OUT/probe.txt"
     done
     ;;
+  pipeline)  # every kernel of the pipeline per CUDA stream (scripts/profile_pipeline.py); RUNS as for probe
+    images
+    for run in ${RUNS:-"retinaface_mnet025_heads_fp16"}; do
+      parse_run "$run"
+      $PY scripts/profile_pipeline.py /tmp/imgset/jpg_abs.txt --config configs/$cfg.yaml $sets --limit "${LIMIT:-640}" \
+        --json "$OUT/pipeline_$tag.json" 2>&1 | quiet | tail -40 | tee -a "$OUT/pipeline.txt"
+    done
+    ;;
   ab)  # the same gpudet benches on several code trees, interleaved round by round (A B A B), on one machine:
     # TREES="_ab/main _ab/branch": folders under the repository, each holding `pipeline/` from one commit
     # (git archive COMMIT pipeline | tar -x -C _ab/NAME); RUNS as for probe; ROUNDS (default 2); DEVICE (cuda).
@@ -153,5 +161,5 @@ print("one GPU, img/s after setup:", a["images_per_s"], "| two workers, per work
       [w.get("images_per_s") for w in b.get("workers", [])], "| wall totals:", a["seconds"]["total"], b["seconds"]["total"])
 PY
     ;;
-  *) echo "usage: $0 tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|ab|latency|scale" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|ab|latency|scale" >&2; exit 2 ;;
 esac

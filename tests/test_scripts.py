@@ -73,3 +73,23 @@ def test_probe_e2e_ops_alternatives_give_the_per_anchor_maxima(tmp_path):
                     "--iters", "1", "--json", str(out)], check=True, capture_output=True, cwd=ROOT, timeout=300)
     rows = json.loads(out.read_text())["rows"]
     assert sum("best class" in row["op"] for row in rows) == 8 and all(row["ms"] > 0 for row in rows)
+
+
+def test_profile_pipeline_adds_up_streams_overlap_and_gaps():
+    """scripts/profile_pipeline.py's arithmetic on a made-up timeline (us): the model's stream 7
+    runs [0, 100) and [150, 300) (one 50 us gap), stream 3 runs [50, 200) in two touching kernels,
+    stream 9 [400, 410). Busy time is a union, not a sum; overlap is an intersection."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import profile_pipeline as pp
+
+    events = [{"name": "conv", "ts": 0, "dur": 100, "stream": 7}, {"name": "conv", "ts": 150, "dur": 150, "stream": 7},
+              {"name": "resize", "ts": 50, "dur": 100, "stream": 3}, {"name": "norm", "ts": 150, "dur": 50, "stream": 3},
+              {"name": "nms", "ts": 400, "dur": 10, "stream": 9}]
+    report = pp.summarize(events, min_gap_us=20)
+    assert report["span_ms"] == 0.41 and report["model_stream"] == "7"
+    assert report["streams"]["7"]["busy_ms"] == 0.25 and report["streams"]["3"]["busy_ms"] == 0.15
+    assert report["device_busy_ms"] == 0.31  # [0, 300) and [400, 410)
+    assert report["model_stream_beside_ms"] == {"3": 0.1, "9": 0.0}  # [50, 100) and [150, 200)
+    assert report["model_stream_gaps"] == {"count": 1, "total_ms": 0.05, "longest_ms": 0.05, "min_gap_us": 20}
+    assert report["streams"]["3"]["heaviest_ms"] == {"resize": 0.1, "norm": 0.05}
+    assert pp.summarize([])["device_busy_ms"] == 0.0
