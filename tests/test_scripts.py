@@ -1,6 +1,7 @@
 """Every script in scripts/ starts: imports resolve and the command line parses (--help). A script
 that imports a name the package no longer has fails here, not on the GPU machine."""
 
+import json
 import subprocess
 import sys
 
@@ -93,3 +94,23 @@ def test_profile_pipeline_adds_up_streams_overlap_and_gaps():
     assert report["model_stream_gaps"] == {"count": 1, "total_ms": 0.05, "longest_ms": 0.05, "min_gap_us": 20}
     assert report["streams"]["3"]["heaviest_ms"] == {"resize": 0.1, "norm": 0.05}
     assert pp.summarize([])["device_busy_ms"] == 0.0
+
+
+def test_profile_pipeline_reads_device_work_from_a_chrome_trace(tmp_path):
+    """Kernels, copies and memsets with a stream come out of torch's chrome trace; host ops,
+    flow events and device events without a stream do not."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import profile_pipeline as pp
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "conv", "ts": 10.5, "dur": 4, "args": {"device": 0, "stream": 7}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 20, "dur": 1, "args": {"stream": 3}},
+        {"ph": "X", "cat": "gpu_memset", "name": "Memset", "ts": 22, "dur": 1, "args": {"stream": 3}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0, "dur": 30, "args": {}},
+        {"ph": "f", "cat": "ac2g", "name": "flow", "ts": 10},
+        {"ph": "X", "cat": "kernel", "name": "no stream", "ts": 1, "dur": 1}]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    events = pp.device_events(path)
+    assert [(e["name"], e["stream"], e["ts"], e["dur"]) for e in events] == [
+        ("conv", 7, 10.5, 4.0), ("Memcpy DtoH", 3, 20.0, 1.0), ("Memset", 3, 22.0, 1.0)]
