@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import sys
 import time
@@ -79,10 +80,12 @@ def main() -> None:
     a = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size_hw = tuple(a.size)
+    # torchvision's RetinaNet, random weights with seed 0: built once, only if exported or run eagerly
+    retinanet = functools.cache(lambda: exporter.build_model("retinanet_resnet50_fpn", None, 91, 0))
     if not a.model.exists():
         a.model.parent.mkdir(parents=True, exist_ok=True)
-        exporter.export(exporter.build_model("retinanet_resnet50_fpn", None, 91, 0), "retinanet_heads", a.model,
-                        size_hw=size_hw, batch_size=a.batch, dynamic_batch=False, fp16=True)
+        exporter.export(retinanet(), "retinanet_heads", a.model, size_hw=size_hw, batch_size=a.batch,
+                        dynamic_batch=False, fp16=True)
     options = {"prefer_nhwc": "1", **dict(o.split("=", 1) for o in a.cuda_option)}
     engine = Engine(a.model, device=resolve_device(device), cuda_options=options if device == "cuda" else {},
                     scalars={"score_threshold": a.score_threshold, "iou_threshold": 0.5, "max_detections": 300})
@@ -93,8 +96,7 @@ def main() -> None:
     with torch.no_grad():
         sides = {"ort": lambda: engine.run(x_ort)}
         if {o.name for o in engine.outputs} == {"cls_logits", "bbox_regression"}:  # torch eager runs the same
-            model = exporter.build_model("retinanet_resnet50_fpn", None, 91, 0)  # the same seed as the export
-            heads = exporter.Heads(model).to(device).half().eval().to(memory_format=torch.channels_last)
+            heads = exporter.Heads(retinanet()).to(device).half().eval().to(memory_format=torch.channels_last)
             x_cl = x.contiguous(memory_format=torch.channels_last)
             sides["torch eager"] = lambda: heads(x_cl)
         for name, fn in sides.items():

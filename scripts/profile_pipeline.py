@@ -71,16 +71,18 @@ def summarize(events: list[dict], *, top: int = 5, min_gap_us: float = 20.0) -> 
     for e in events:
         per_stream[e["stream"]].append(e)
     busy = {s: merged([(e["ts"], e["ts"] + e["dur"]) for e in es]) for s, es in per_stream.items()}
+    busy_us = {s: length(ivs) for s, ivs in busy.items()}
+    order = sorted(busy, key=lambda s: -busy_us[s])  # the busiest first: the model's
     streams = {}
-    for s, es in sorted(per_stream.items(), key=lambda item: -length(busy[item[0]])):
+    for s in order:
         by_name = collections.Counter()
-        for e in es:
+        for e in per_stream[s]:
             by_name[e["name"]] += e["dur"]
         streams[str(s)] = {
-            "kernels": len(es), "busy_ms": round(length(busy[s]) / 1e3, 3),
-            "share_of_span": round(length(busy[s]) / (span[1] - span[0]), 4),
+            "kernels": len(per_stream[s]), "busy_ms": round(busy_us[s] / 1e3, 3),
+            "share_of_span": round(busy_us[s] / (span[1] - span[0]), 4),
             "heaviest_ms": {name[:90]: round(us / 1e3, 3) for name, us in by_name.most_common(top)}}
-    model = max(busy, key=lambda s: length(busy[s]))
+    model = order[0]
     own = busy[model]
     gaps = [b[0] - a[1] for a, b in zip(own, own[1:]) if b[0] - a[1] >= min_gap_us]
     return {
@@ -135,9 +137,10 @@ def main() -> None:
     report = {"config": args.config, "overrides": args.overrides, "images": images,
               "images_per_s_under_the_profiler": round(images / wall, 1),
               "stages_s": {k: round(v, 4) for k, v in clock.seconds.items()}, **report}
-    print(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1)
+    print(text)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+        args.json.write_text(text)
 
 
 if __name__ == "__main__":

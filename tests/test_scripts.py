@@ -7,6 +7,9 @@ import sys
 
 from conftest import ROOT
 
+sys.path.insert(0, str(ROOT / "scripts"))
+import profile_pipeline as pp  # noqa: E402  (its helpers need nothing heavier than json)
+
 SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
 
 
@@ -49,8 +52,6 @@ def test_probe_fuse_exposes_every_convolution(tmp_path):
 def test_probe_fuse_whole_model_under_each_optimisation(tmp_path):
     """--whole: the model's own outputs under four graph optimisation settings, with the fused
     convolution nodes ORT made (on the CPU EP: Conv + LeakyRelu unless that fusion is off)."""
-    import json
-
     out = tmp_path / "whole.json"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_fuse.py"), str(ROOT / "models" /
                     "retinaface_mnet025_heads_640.onnx"), "--whole", "--batch", "1", "--json", str(out)],
@@ -67,8 +68,6 @@ def test_probe_fuse_whole_model_under_each_optimisation(tmp_path):
 def test_probe_e2e_ops_alternatives_give_the_per_anchor_maxima(tmp_path):
     """scripts/probe_e2e_ops.py (a GPU measurement) on the CPU at batch 1: every best-class way
     it times is checked against numpy's maxima inside the script (it exits non-zero otherwise)."""
-    import json
-
     out = tmp_path / "ops.json"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_e2e_ops.py"), "--device", "cpu", "--batch", "1",
                     "--iters", "1", "--json", str(out)], check=True, capture_output=True, cwd=ROOT, timeout=300)
@@ -80,9 +79,6 @@ def test_profile_pipeline_adds_up_streams_overlap_and_gaps():
     """scripts/profile_pipeline.py's arithmetic on a made-up timeline (us): the model's stream 7
     runs [0, 100) and [150, 300) (one 50 us gap), stream 3 runs [50, 200) in two touching kernels,
     stream 9 [400, 410). Busy time is a union, not a sum; overlap is an intersection."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import profile_pipeline as pp
-
     events = [{"name": "conv", "ts": 0, "dur": 100, "stream": 7}, {"name": "conv", "ts": 150, "dur": 150, "stream": 7},
               {"name": "resize", "ts": 50, "dur": 100, "stream": 3}, {"name": "norm", "ts": 150, "dur": 50, "stream": 3},
               {"name": "nms", "ts": 400, "dur": 10, "stream": 9}]
@@ -99,9 +95,6 @@ def test_profile_pipeline_adds_up_streams_overlap_and_gaps():
 def test_profile_pipeline_reads_device_work_from_a_chrome_trace(tmp_path):
     """Kernels, copies and memsets with a stream come out of torch's chrome trace; host ops,
     flow events and device events without a stream do not."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import profile_pipeline as pp
-
     trace = {"traceEvents": [
         {"ph": "X", "cat": "kernel", "name": "conv", "ts": 10.5, "dur": 4, "args": {"device": 0, "stream": 7}},
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 20, "dur": 1, "args": {"stream": 3}},
