@@ -177,16 +177,22 @@ def is_out_of_memory(error: Exception) -> bool:
 
 
 def infer(engine: Engine, batch: PreprocessedBatch, *, chunk: int, postprocess, slot: int = 0):
-    """Engine over the batch, `chunk` images per model run; returns a function that postprocesses.
+    """Engine over the batch, `chunk` images per model run; returns a function that postprocesses,
+    and the model run it waits for (None when the batch ran in parts).
 
-    chunk >= the batch: one run on DALI's own buffer into the engine's output buffers `slot`; the
-    postprocess is left to the caller (it may run on another thread while the engine runs the next
+    chunk >= the batch: one run on DALI's own buffer into the engine's output buffers `slot`,
+    queued on the GPU without a host wait (Engine.launch); the postprocess, left to the caller,
+    makes its stream wait for it (it may run on another thread while the engine queues the next
     batch into the other slot). Smaller (after a GPU out-of-memory): zero-copy torch views of that
     buffer, run and postprocessed one after the other, here."""
     total = batch.orig_hw.shape[0]
     if chunk >= total:
-        outputs = engine.run(batch.images, slot=slot)
-        return lambda: postprocess(outputs, batch.scale_yx, batch.pad_yx, batch.orig_hw, len(batch.refs))
+        launched = engine.launch(batch.images, slot=slot)
+
+        def after_the_engine():
+            launched.wait()
+            return postprocess(launched.outputs, batch.scale_yx, batch.pad_yx, batch.orig_hw, len(batch.refs))
+        return after_the_engine, launched
     images = torch.from_dlpack(batch.images)
     parts = []
     for start in range(0, len(batch.refs), chunk):
@@ -196,7 +202,7 @@ def infer(engine: Engine, batch: PreprocessedBatch, *, chunk: int, postprocess, 
         part.batch_index += start
         parts.append(part)
     found = type(parts[0]).concatenate(parts)
-    return lambda: found
+    return lambda: found, None
 
 
 @contextmanager
@@ -340,18 +346,29 @@ class Detector:
         """The engine on one batch into the output buffers `slot`, halving the model batch on GPU
         out-of-memory; returns the function that postprocesses it. reader: the postprocess still
         reading that slot's buffers (two batches back), waited for first (its errors are raised
-        where its own result is taken)."""
+        where its own result is taken). Clock: "engine" is this thread's time (queueing the
+        model), "engine_gpu" the model's time on the device, counted once the postprocess is done."""
         if reader is not None:
             wait([reader])
         start = time.perf_counter()
         try:
             while True:
                 try:  # ORT: DALI's buffer bound via DLPack, outputs stay on the device
-                    return infer(self.engine, batch, chunk=self.model_batch, postprocess=postprocess, slot=slot)
+                    post, launched = infer(self.engine, batch, chunk=self.model_batch, postprocess=postprocess,
+                                           slot=slot)
+                    break
                 except Exception as e:
                     self._shrink_model_batch(e, batch.orig_hw.shape[0])
         finally:
             clock.add("engine", time.perf_counter() - start)
+
+        def postprocess_and_count():
+            found = post()  # synchronizes: the model's events are complete after it
+            seconds = launched.seconds() if launched is not None else None
+            if seconds is not None:
+                clock.add("engine_gpu", seconds)
+            return found
+        return postprocess_and_count
 
     def stream(self, refs: list[ImageRef], on_error: Callable[[list[ImageError]], None], *,
                clock: StageClock | None = None, on_device: bool = False

@@ -18,11 +18,15 @@ replayed by runs from another, which would capture again, in the middle of the p
 the postprocess thread's work (seen on the H200: the capture failed). ORT releases the GIL for a
 whole run, so the caller's thread does Python work meanwhile.
 
-Stream ordering: ORT's CUDA EP runs on its own stream and synchronizes it before
-`run_with_iobinding` returns (ORT's default). The outputs are therefore complete for any torch
-stream, and ORT is done with DALI's input buffer. The postprocess thread reads a slot on torch's
-stream and synchronizes before handing the slot back (Detector.stream), so the engine never
-writes a slot that is still being read.
+Stream ordering: ORT's CUDA EP computes on the engine's own stream (`Engine.stream`, handed to
+ORT as `user_compute_stream`). `run` synchronizes it before returning (ORT's default): the
+outputs are complete for any stream, and ORT is done with the input buffer. `launch` does not
+(the run option `disable_synchronize_execution_providers`) when every output has a preallocated
+buffer: it returns once ORT has queued the model's kernels, with an event the reader makes its
+own stream wait for (`Launched.wait`). The engine's thread can then queue the next batch while
+the GPU still runs this one, so the model's kernels follow each other with no host round trip
+between them. The caller keeps the input alive, and does not let the engine write a slot again,
+until its reader has synchronized after reading (Detector.stream).
 """
 
 from __future__ import annotations
@@ -147,6 +151,8 @@ class Engine:
         batch in the model) and outputs whose shape the batch size decides."""
         self.model_path = Path(model_path)
         self.device = device
+        self.stream = torch.cuda.Stream(device.torch) if device.is_cuda else None
+        """ORT's compute stream on a GPU (module docstring); the CUDA-graph input copy goes on it too."""
         # Every ORT run on this one thread (module docstring); it ends when the engine is collected.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="gpudet-engine")
         self._thread = self._executor.submit(threading.current_thread).result()
@@ -192,9 +198,7 @@ class Engine:
         self.binding = self.session.io_binding()
         self._static_buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._graph_inputs: dict[int, torch.Tensor] = {}  # cuda_graph: per slot, the input buffer
-        self._graph_runs: dict[int, ort.RunOptions] = {}  # and the run options naming its graph
-        if self.cuda_graph:
-            self._copy_stream = torch.cuda.Stream(self.device.torch)
+        self._run_options: dict[tuple[int, bool], ort.RunOptions] = {}  # (slot, synchronize) -> options
         for spec in self.inputs:
             if spec.name in SCALAR_INPUTS:
                 if spec.name not in scalars:
@@ -213,7 +217,8 @@ class Engine:
         ort.set_default_logger_severity(3)
         if self.device.is_cuda and not probe:
             ort.preload_dlls()  # the CUDA 13 / cuDNN 9 libraries torch's wheels brought
-            options_cuda = {"device_id": str(self.device.index), **self.cuda_options}
+            options_cuda = {"device_id": str(self.device.index), "user_compute_stream": str(self.stream.cuda_stream),
+                            **self.cuda_options}
             providers = [("CUDAExecutionProvider", options_cuda), "CPUExecutionProvider"]
         else:
             providers = ["CPUExecutionProvider"]
@@ -223,16 +228,15 @@ class Engine:
             raise ModelError(f"{self.model_path}: ONNX Runtime cannot load it: {e}") from None
 
     def _graph_input(self, images, slot: int) -> torch.Tensor:
-        """The batch copied into the slot's own input buffer, complete before ORT reads it (ORT's
-        stream does not wait for torch's). The copy runs on a stream of its own: torch's default
-        stream also carries the postprocess of the other slot, which this must not wait for."""
+        """The batch copied into the slot's own input buffer, on ORT's stream: the model's kernels
+        follow it there, with no host wait (and it does not wait for the postprocess of the other
+        slot, on torch's default stream)."""
         source = torch.from_dlpack(images)
         if slot not in self._graph_inputs:
             self._graph_inputs[slot] = torch.empty_like(source)
         target = self._graph_inputs[slot]
-        with torch.cuda.stream(self._copy_stream):
+        with torch.cuda.stream(self.stream):
             target.copy_(source)
-        self._copy_stream.synchronize()
         return target
 
     @property
@@ -287,17 +291,38 @@ class Engine:
 
     def run(self, images, slot: int = 0) -> dict[str, torch.Tensor]:
         """Run on `images` (any DLPack tensor on this device, shaped as the model's image input),
-        on the engine's thread (module docstring).
+        on the engine's thread (module docstring), and wait for the outputs.
 
         Returns every output as a torch tensor on the device: static ones are the preallocated
         buffers of `slot` (overwritten by the next run into that slot), dynamic ones ORT's own
         allocations.
         """
-        if threading.current_thread() is not self._thread:
-            return self.submit(self._run, images, slot).result()
-        return self._run(images, slot)
+        return self.launch(images, slot, synchronize=True).outputs
 
-    def _run(self, images, slot: int) -> dict[str, torch.Tensor]:
+    def launch(self, images, slot: int = 0, *, synchronize: bool = False) -> Launched:
+        """As `run`, but on a GPU, when every output has a preallocated buffer, return as soon as
+        ORT has queued the model: the outputs are ready once `Launched.wait` has made the
+        reader's stream wait for them. `images` must stay alive until then. Otherwise (a dynamic
+        output, whose size ORT learns on the host; the CPU) the outputs are complete."""
+        if threading.current_thread() is not self._thread:
+            return self.submit(self._launch, images, slot, synchronize).result()
+        return self._launch(images, slot, synchronize)
+
+    def _options(self, slot: int, synchronize: bool) -> ort.RunOptions:
+        key = (slot, synchronize)
+        if key not in self._run_options:
+            options = self._run_options[key] = ort.RunOptions()
+            if self.cuda_graph:
+                options.add_run_config_entry("gpu_graph_id", str(slot + 1))  # 0 is ORT's own
+            if not synchronize:
+                options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        return self._run_options[key]
+
+    def _launch(self, images, slot: int, synchronize: bool) -> Launched:
+        started = None
+        if self.device.is_cuda:
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(self.stream)
         value = ort.OrtValue.from_dlpack(self._graph_input(images, slot) if self.cuda_graph else images)
         batch_size = value.shape()[0]
         if self.image_input.batch not in (None, batch_size):
@@ -313,14 +338,38 @@ class Engine:
             else:
                 # Rebound every run: a dynamic output keeps the previous run's shape otherwise.
                 self.binding.bind_output(spec.name, self.device_type, self.device.index)
-        if self.cuda_graph:
-            if slot not in self._graph_runs:
-                self._graph_runs[slot] = ort.RunOptions()
-                self._graph_runs[slot].add_run_config_entry("gpu_graph_id", str(slot + 1))  # 0 is ORT's own
-            self.session.run_with_iobinding(self.binding, self._graph_runs[slot])
-        else:
-            self.session.run_with_iobinding(self.binding)
+        synchronize = synchronize or not self.device.is_cuda or len(buffers) < len(self.outputs)
+        self.session.run_with_iobinding(self.binding, self._options(slot, synchronize))
         results = {}
         for spec, value in zip(self.outputs, self.binding.get_outputs()):
             results[spec.name] = buffers[spec.name] if spec.name in buffers else torch.from_dlpack(value)
-        return results
+        finished = None
+        if started is not None:
+            finished = torch.cuda.Event(enable_timing=True)
+            finished.record(self.stream)
+        return Launched(results, started, finished, complete=synchronize, device=self.device.torch)
+
+
+@dataclass
+class Launched:
+    """A model run's outputs (torch tensors on the engine's device) and the events around its
+    kernels on the engine's stream (None on the CPU)."""
+
+    outputs: dict[str, torch.Tensor]
+    started: torch.cuda.Event | None
+    finished: torch.cuda.Event | None
+    complete: bool
+    """The outputs were complete when launch returned (ORT synchronized its stream)."""
+    device: torch.device
+
+    def wait(self) -> None:
+        """Make the device's current stream wait (on the device, not the host) for the outputs."""
+        if not self.complete:
+            torch.cuda.current_stream(self.device).wait_event(self.finished)
+
+    def seconds(self) -> float | None:
+        """The run's time on the device, start of its input copy to its last kernel; only once
+        the run has finished (after the reader synchronized), else None."""
+        if self.started is None or not self.finished.query():
+            return None
+        return self.started.elapsed_time(self.finished) / 1000

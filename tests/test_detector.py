@@ -69,9 +69,9 @@ def test_running_the_model_in_chunks_gives_the_same_detections(device):
         return end_to_end(outputs, to_device_meta(scale_yx, pad_yx, orig_hw, dev.torch), score_threshold=0.9,
                           max_detections=750, num_landmarks=5, num_images=num_images)
 
-    whole = infer(engine, batch, chunk=8, postprocess=post)()  # infer returns the postprocess to call
+    whole = infer(engine, batch, chunk=8, postprocess=post)[0]()  # infer returns the postprocess to call
     for chunk in (4, 3, 1):
-        part = infer(engine, batch, chunk=chunk, postprocess=post)()
+        part = infer(engine, batch, chunk=chunk, postprocess=post)[0]()
         assert part.batch_index.tolist() == whole.batch_index.tolist()
         # cuDNN may pick other algorithms for other batch sizes: equal within rounding.
         assert np.allclose(part.boxes_xyxy, whole.boxes_xyxy, atol=0.05)

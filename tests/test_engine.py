@@ -233,3 +233,42 @@ def test_detect_with_ort_cuda_graph_finds_the_same(tmp_path):
     a, b = found(), found("run.cuda_graph=true")
     assert a.batch_index.tolist() == b.batch_index.tolist() and len(a.scores) >= 6
     assert np.allclose(a.scores, b.scores, atol=1e-4) and np.allclose(a.boxes_xyxy, b.boxes_xyxy, atol=0.05)
+
+
+def test_launch_on_the_cpu_is_a_complete_run(heads_model):
+    """On the CPU there is nothing to queue: launch returns the finished outputs, run's numbers."""
+    engine = Engine(heads_model, device=Device("cpu"), scalars={})
+    x = torch.randn(2, 3, 640, 640, generator=torch.Generator().manual_seed(0)).mul_(50)
+    launched = engine.launch(x)
+    assert launched.complete and launched.started is None and launched.seconds() is None
+    launched.wait()  # nothing to wait for
+    want = {k: v.clone() for k, v in launched.outputs.items()}
+    for name, value in engine.run(x).items():
+        torch.testing.assert_close(value, want[name])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_launch_queues_the_model_without_a_host_wait(heads_model, cuda_graph):
+    """Engine.launch on a GPU returns while the model is still queued behind earlier work on the
+    engine's stream; a reader on another stream that waits for it (Launched.wait) reads run()'s
+    numbers. A model with a dynamic output (in-graph NMS) is synchronized as before."""
+    dev = Device("cuda", 0)
+    engine = Engine(heads_model, device=dev, scalars={}, batch_size=2, cuda_graph=cuda_graph)
+    engine.warm_up(2, (640, 640))
+    x = torch.randn(2, 3, 640, 640, generator=torch.Generator().manual_seed(1)).mul_(50).cuda()
+    want = {k: v.clone() for k, v in engine.run(x, slot=1).items()}
+    with torch.cuda.stream(engine.stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of spinning ahead of the model on its stream
+    launched = engine.launch(x, slot=0)
+    assert not launched.complete and not launched.finished.query()  # returned before the model ran
+    reader = torch.cuda.Stream(dev.torch)
+    with torch.cuda.stream(reader):
+        launched.wait()
+        got = {k: v.clone() for k, v in launched.outputs.items()}
+    reader.synchronize()
+    assert 0 < launched.seconds() < 0.1  # the model's own time: the spin ran before its first event
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])
+    nms = Engine(MODEL, device=dev, scalars=SCALARS, input_size_hw=(640, 640))
+    assert nms.launch(x).complete
