@@ -333,13 +333,31 @@ class Detector:
         torch.cuda.empty_cache()
 
     def _warm_up(self) -> None:
-        """Run the model once at setup (cuDNN's algorithm search happens here, not on batch 1)."""
+        """Run the model once at setup (cuDNN's algorithm search happens here, not on batch 1); on a
+        GPU, then the postprocess once per output slot."""
         size_hw = self.engine.image_input.size_hw or tuple(self.config.preprocess.size)
         while True:
             try:
-                return self.engine.warm_up(self.model_batch, size_hw)
+                self.engine.warm_up(self.model_batch, size_hw)
+                break
             except Exception as e:
                 self._shrink_model_batch(e, self.model_batch)
+        if self.overlap and self.contract != "end_to_end":
+            self._warm_up_postprocess(size_hw)
+
+    def _warm_up_postprocess(self, size_hw: tuple[int, int]) -> None:
+        """The heads postprocess on each output slot's buffers, as for a batch of no real images
+        (nothing is kept, the row reader stays as it is), so that its compile and its CUDA graphs
+        (one per slot) happen now, while nothing else runs on the GPU. Captured mid-pipeline
+        instead, a graph meets the engine's work queued on its own stream (a capture there failed
+        on the H200, cudaErrorStreamCaptureInvalidated, and the postprocess fell back to
+        launching its kernels one by one)."""
+        n = self.model_batch
+        postprocess = self._postprocess(on_device=False)
+        for slot in (0, 1):
+            outputs = self.engine.run(self.engine.zero_batch(n, size_hw), slot=slot)
+            postprocess(outputs, np.ones((n, 2), np.float32), np.zeros((n, 2), np.float32),
+                        np.tile(np.array(size_hw, np.int64), (n, 1)), 0)
 
     def _infer(self, batch: PreprocessedBatch, postprocess, clock: StageClock, slot: int,
                reader: Future | None = None):

@@ -277,17 +277,21 @@ class Engine:
         algorithm search, ~2 s for RetinaFace on the H200) happens at setup, not on the first batch."""
         if not self.device.is_cuda:
             return
-        spec = self.image_input
-        height, width = spec.size_hw or size_hw
-        shape = (batch_size, 3, height, width) if spec.layout == "NCHW" else (batch_size, height, width, 3)
-        dtype = torch.float16 if spec.dtype == "float16" else torch.float32
-        zeros = torch.zeros(shape, dtype=dtype, device=self.device.torch)
+        zeros = self.zero_batch(batch_size, size_hw)
         # With cuda_graph, ORT runs a few times before it captures: capture both slots' graphs here,
         # while nothing else runs on the GPU (a capture in the middle of the pipeline would meet
         # the postprocess thread's CUDA calls).
         for slot in (0, 1) if self.cuda_graph else (0,):
             for _ in range(4 if self.cuda_graph else 1):
                 self.run(zeros, slot=slot)
+
+    def zero_batch(self, batch_size: int, size_hw: tuple[int, int]) -> torch.Tensor:
+        """A batch of zeros shaped and typed as the model's image input, on its device."""
+        spec = self.image_input
+        height, width = spec.size_hw or size_hw
+        shape = (batch_size, 3, height, width) if spec.layout == "NCHW" else (batch_size, height, width, 3)
+        dtype = torch.float16 if spec.dtype == "float16" else torch.float32
+        return torch.zeros(shape, dtype=dtype, device=self.device.torch)
 
     def run(self, images, slot: int = 0) -> dict[str, torch.Tensor]:
         """Run on `images` (any DLPack tensor on this device, shaped as the model's image input),

@@ -228,7 +228,9 @@ def test_detect_with_ort_cuda_graph_finds_the_same(tmp_path):
     def found(*overrides):
         detector = Detector.from_config(ROOT / "configs" / "retinaface_mnet025_heads.yaml", device="cuda",
                                         batch_size=4, overrides=["postprocess.score_threshold=0.5", *overrides])
-        return Detections.concatenate([d for _, d in detector.stream(list_images(SAMPLES) * 2, lambda e: None)])
+        detections = Detections.concatenate([d for _, d in detector.stream(list_images(SAMPLES) * 2, lambda e: None)])
+        assert detector.ssd_heads.graphs.enabled  # the postprocess replayed its own CUDA graphs too
+        return detections
 
     a, b = found(), found("run.cuda_graph=true")
     assert a.batch_index.tolist() == b.batch_index.tolist() and len(a.scores) >= 6

@@ -359,14 +359,15 @@ def test_heads_buffers_are_reused_and_postprocess_copies_only_the_final_detectio
     from torch.profiler import ProfilerActivity, profile
 
     detector = Detector.from_config(CONFIG, model=exported["retinanet_heads"], device="cuda")
-    engine_run, written = detector.engine.run, []
+    assert len(detector.retinanet_heads.graphs._graphs) == 2  # captured at setup, one per output slot
+    engine_launch, written = detector.engine.launch, []
 
-    def run(images, slot=0):  # record where ORT wrote each batch's outputs
-        outputs = engine_run(images, slot)
-        written.append((slot, {k: v.data_ptr() for k, v in outputs.items()}))
-        return outputs
+    def launch(images, slot=0, **options):  # record where ORT wrote each batch's outputs
+        launched = engine_launch(images, slot, **options)
+        written.append((slot, {k: v.data_ptr() for k, v in launched.outputs.items()}))
+        return launched
 
-    detector.engine.run = run
+    detector.engine.launch = launch
     refs = [type(r)(i, r.path) for i, r in enumerate(list_images(SAMPLES) * 2)]  # 3 batches
     for _ in range(2):
         list(detector.stream(refs, on_error=lambda errors: None))
