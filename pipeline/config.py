@@ -59,6 +59,10 @@ class PreprocessConfig:
     max_pixels: int = 100_000_000
     """Refuse (too_large) images whose header declares more pixels: 100 MP decodes to 300 MB.
     0 turns the check off."""
+    hw_decoder_load: float = 0.9
+    """decoder auto on a GPU with a hardware JPEG decoder (A100, H100, H200): the share of each
+    batch's JPEGs it decodes (DALI's hw_decoder_load); nvJPEG decodes the rest on the GPU's SMs.
+    DALI alone on the H200: 8,884 img/s at 0.9 against 5,934 at DALI's default 0.65."""
 
 
 @dataclass
@@ -83,6 +87,9 @@ class RunConfig:
     """auto | cpu | cuda | cuda:N. cuda without a usable GPU is an error, never a silent fallback."""
     num_threads: int = 4
     """DALI worker threads (CPU decode and CPU-side operators) and file reader threads."""
+    prefetch_batches: int = 2
+    """Batches DALI preprocesses ahead of the one the engine takes (each one more holds a batch
+    of encoded and decoded images and its model input in memory)."""
     gpu_mem_limit_mb: int = 0
     """Cap on ONNX Runtime's CUDA memory arena, in MiB (0: no cap). DALI's buffers are separate."""
     prefer_nhwc: bool = False
@@ -138,6 +145,7 @@ class Config:
         need(len(p.mean) == 3, "preprocess.mean", "needs 3 values, one per channel")
         need(len(p.std) == 3 and all(v > 0 for v in p.std), "preprocess.std", "needs 3 values > 0")
         need(p.max_pixels >= 0, "preprocess.max_pixels", "must be >= 0 (0: no limit)")
+        need(0.0 <= p.hw_decoder_load <= 1.0, "preprocess.hw_decoder_load", "must be in [0, 1]")
         q = self.postprocess
         need(0.0 <= q.score_threshold <= 1.0, "postprocess.score_threshold", "must be in [0, 1]")
         need(0.0 < q.iou_threshold <= 1.0, "postprocess.iou_threshold", "must be in (0, 1]")
@@ -148,6 +156,7 @@ class Config:
         need(len(m.box_variances) == 2, "model.box_variances", "needs [center, size]")
         need(self.run.batch_size > 0, "run.batch_size", "must be > 0")
         need(self.run.num_threads > 0, "run.num_threads", "must be > 0")
+        need(self.run.prefetch_batches > 0, "run.prefetch_batches", "must be > 0")
         need(self.run.gpu_mem_limit_mb >= 0, "run.gpu_mem_limit_mb", "must be >= 0 (0: no cap)")
         need(self.run.prefer_nhwc or not self.run.fuse_conv_bias, "run.fuse_conv_bias",
              "needs run.prefer_nhwc: true (on the H200 cuDNN had no fused kernel for RetinaNet's NCHW "

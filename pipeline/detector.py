@@ -103,6 +103,7 @@ def preprocessor_args(config: Config, image_input: ImageInput, device: Device) -
     return dict(batch_size=config.run.batch_size, num_threads=config.run.num_threads, height=height, width=width,
                 resize=p.resize, channel_order=p.channel_order, mean=p.mean, std=p.std, pad_value=p.pad_value,
                 dtype=image_input.dtype, layout=image_input.layout, decoder=p.decoder,
+                hw_decoder_load=p.hw_decoder_load,
                 # On the GPU a new batch shape costs a cuDNN search; a static-batch model takes no other.
                 pad_partial_batches=device.is_cuda or image_input.batch is not None)
 
@@ -421,8 +422,9 @@ class Detector:
         engine = self.engine if self.overlap else Inline()  # the engine's own thread (Engine.submit)
         post = ThreadPoolExecutor(1, thread_name_prefix="gpudet-postprocess") if self.overlap else Inline()
         with switch_interval(config.run.gil_switch_interval_ms), post:
-            # source: bytes read ahead on threads, cheap checks -> preprocess: DALI, 2 batches in flight
-            batches = clock.timed(preprocess_stream(self.preprocessor, checked_batches(), on_error), "preprocess")
+            # source: bytes read ahead on threads, cheap checks -> preprocess: DALI, run.prefetch_batches in flight
+            batches = clock.timed(preprocess_stream(self.preprocessor, checked_batches(), on_error,
+                                                    depth=config.run.prefetch_batches), "preprocess")
             for i, batch in enumerate(batches):
                 slot = i % 2
                 ran = engine.submit(self._infer, batch, postprocess, clock, slot, reading.get(slot))  # engine

@@ -28,8 +28,8 @@ from nvidia.dali import fn, pipeline_def, types
 from .device import Device
 from .source import EncodedImage, ImageRef
 
-# Share of JPEG decoding given to the hardware decoder (A100/H100/H200). Measured on an H200,
-# 2026-11-29 (shared/gpu/NOTES.md): 8,884 img/s at 0.9 against 5,934 with DALI's default.
+# Share of JPEG decoding given to the hardware decoder (A100/H100/H200), by default. Measured on
+# an H200, 2026-11-29 (shared/gpu/NOTES.md): 8,884 img/s at 0.9 against 5,934 with DALI's default.
 HW_DECODER_LOAD = 0.9
 
 
@@ -50,11 +50,11 @@ class PreprocessedBatch:
 
 def letterbox_graph(encoded, *, decode_device: str, height: int, width: int, resize: str, channel_order: str,
                     mean: list[float], std: list[float], pad_value: float, dtype: types.DALIDataType,
-                    layout: str, on_gpu: bool = False):
+                    layout: str, on_gpu: bool = False, hw_decoder_load: float = HW_DECODER_LOAD):
     """The preprocessing graph over DataNodes: returns (images, original HWC shape, resized HWC shape).
     decode_device: DALI's "mixed" (nvJPEG) or "cpu"; on_gpu: the operators after the decoder run
     on the GPU (implied by "mixed")."""
-    decoder_args = {"hw_decoder_load": HW_DECODER_LOAD} if decode_device == "mixed" else {}
+    decoder_args = {"hw_decoder_load": hw_decoder_load} if decode_device == "mixed" else {}
     output_type = types.BGR if channel_order == "BGR" else types.RGB
     # Grayscale and CMYK are converted to 3 channels; EXIF orientation is applied by default.
     images = fn.decoders.image(encoded, device=decode_device, output_type=output_type, **decoder_args)
@@ -101,7 +101,8 @@ class Preprocessor:
                  resize: Literal["letterbox", "stretch"], channel_order: Literal["RGB", "BGR"],
                  mean: list[float], std: list[float], pad_value: float,
                  dtype: Literal["float32", "float16"], layout: Literal["NCHW", "NHWC"],
-                 pad_partial_batches: bool = False, decoder: Literal["auto", "cpu"] = "auto"):
+                 pad_partial_batches: bool = False, decoder: Literal["auto", "cpu"] = "auto",
+                 hw_decoder_load: float = HW_DECODER_LOAD):
         """pad_partial_batches: fill a short batch up to batch_size by repeating its last image, so
         the model always sees one input shape (a new shape costs ORT's CUDA EP a cuDNN algorithm
         search: ~2 s per shape measured on the H200). The extra rows are not in `refs`."""
@@ -112,7 +113,8 @@ class Preprocessor:
         self.graph_args = dict(
             height=height, width=width, resize=resize, channel_order=channel_order, mean=list(mean),
             std=list(std), pad_value=pad_value, layout="CHW" if layout == "NCHW" else "HWC",
-            dtype=types.FLOAT16 if dtype == "float16" else types.FLOAT, on_gpu=device.is_cuda)
+            dtype=types.FLOAT16 if dtype == "float16" else types.FLOAT, on_gpu=device.is_cuda,
+            hw_decoder_load=hw_decoder_load)
         self.decode_device = "mixed" if device.is_cuda and decoder == "auto" else "cpu"
         self.in_flight: deque[list[EncodedImage]] = deque()
         self.pipe = self._build()

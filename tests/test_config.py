@@ -26,6 +26,8 @@ def test_default_config_is_the_embedded_retinaface():
     ("postprocess:\n  score_threshold: 1.5\n", "postprocess.score_threshold"),
     ("run:\n  batch_size: 0\n", "run.batch_size"),
     ("run:\n  gil_switch_interval_ms: 0\n", "run.gil_switch_interval_ms"),
+    ("run:\n  prefetch_batches: 0\n", "run.prefetch_batches"),
+    ("preprocess:\n  hw_decoder_load: 1.5\n", "preprocess.hw_decoder_load"),
     ("run: 3\n", "'run'"),
     ("- a\n- b\n", "top level"),
     ("run: [\n", "not valid YAML"),
