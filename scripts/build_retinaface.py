@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import importlib.util
 import subprocess
 import sys
@@ -203,6 +204,29 @@ def heads_only(model: onnx.ModelProto, height: int, width: int) -> onnx.ModelPro
     return model
 
 
+def nhwc_input(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same graph taking its image as [B, H, W, 3], DALI's own layout (no permute there),
+    transposed to NCHW by the graph's first node. With prefer_nhwc, ORT's CUDA EP runs the
+    convolutions in NHWC and for an NCHW input first transposes the batch (a Transpose3DKernel:
+    24% of the fused float16 heads' kernel time in the pipeline on the H200, docs/BENCHMARKS.md);
+    here that transpose meets the graph's inverse one, and ORT's transpose optimizer can drop both."""
+    graph = model.graph
+    image = next(i for i in graph.input if i.name == "input")
+    batch, channels, height, width = (copy.deepcopy(d) for d in image.type.tensor_type.shape.dim)
+    del image.type.tensor_type.shape.dim[:]
+    image.type.tensor_type.shape.dim.extend([batch, height, width, channels])
+    for node in graph.node:
+        node.input[:] = ["input_nchw" if i == "input" else i for i in node.input]
+    graph.node.insert(0, helper.make_node("Transpose", ["input"], ["input_nchw"], name="input_nhwc_to_nchw",
+                                          perm=[0, 3, 1, 2]))
+    props = {p.key: p.value for p in model.metadata_props}
+    if "input" in props:
+        onnx.helper.set_model_props(model, {**props, "input": props["input"].replace("NCHW", "NHWC")})
+    graph.name += "_nhwc"
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
 def to_float16(model: onnx.ModelProto) -> onnx.ModelProto:
     """The same graph in float16, input and outputs included (DALI then writes float16 too):
     onnxconverter-common's converter, which keeps Resize's scales and the shape arithmetic in
@@ -223,11 +247,14 @@ def main() -> None:
     parser.add_argument("--heads-only", type=int, nargs=2, metavar=("HEIGHT", "WIDTH"),
                         help="write only the raw heads, with a static input size (for probing)")
     parser.add_argument("--fp16", action="store_true", help="float16 weights, input and outputs (for the GPU)")
+    parser.add_argument("--nhwc", action="store_true", help="image input [B, H, W, 3] (for the GPU with prefer_nhwc)")
     args = parser.parse_args()
     if args.heads_only:  # from the shipped model: no weights package needed
         model = heads_only(onnx.load(str(SHIPPED)), *args.heads_only)
     else:
         model = build(read_weights(args.source))
+    if args.nhwc:
+        model = nhwc_input(model)
     if args.fp16:
         model = to_float16(model)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -60,6 +60,9 @@ def test_build_script_reproduces_the_shipped_model(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "scripts" / "build_retinaface.py"), "--heads-only", "640", "640",
                     "--fp16", "--out", str(heads)], check=True, capture_output=True)
     assert heads.read_bytes() == (ROOT / "models" / "retinaface_mnet025_heads_640_fp16.onnx").read_bytes()
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_retinaface.py"), "--heads-only", "640", "640",
+                    "--fp16", "--nhwc", "--out", str(heads)], check=True, capture_output=True)
+    assert heads.read_bytes() == (ROOT / "models" / "retinaface_mnet025_heads_640_fp16_nhwc.onnx").read_bytes()
 
 
 def test_shipped_model_has_the_end_to_end_contract():

@@ -229,3 +229,24 @@ def test_the_float16_heads_config_on_the_gpu_finds_the_cpus_faces(batch_size):
         np.testing.assert_allclose(got.scores, want.scores, atol=0.01, err_msg=got.path)
         assert np.abs(got.boxes_xyxy - want.boxes_xyxy).max(initial=0) < 3, got.path
         assert np.abs(got.landmarks - want.landmarks).max(initial=0) < 3, got.path
+
+
+@cpu_and_cuda()
+def test_the_nhwc_input_build_finds_the_same_faces(device):
+    """models/retinaface_mnet025_heads_640_fp16_nhwc.onnx (build_retinaface.py --nhwc: the image as
+    [B, H, W, 3], which DALI then writes without its permute) in the float16 heads config: the NCHW
+    model's faces, on the CPU and with the config's GPU options."""
+    from pipeline import Detector
+    from pipeline.source import list_images
+
+    def detections(*overrides):
+        detector = Detector.from_config(ROOT / "configs" / "retinaface_mnet025_heads_fp16.yaml", device=device,
+                                        batch_size=8, overrides=overrides)
+        (batch, found), = list(detector.stream(list_images(SAMPLES), on_error=lambda errors: None))
+        return detector.engine.image_input.layout, found
+
+    (layout_a, a), (layout_b, b) = detections(), detections("model.path=retinaface_mnet025_heads_640_fp16_nhwc.onnx")
+    assert (layout_a, layout_b) == ("NCHW", "NHWC")
+    assert a.batch_index.tolist() == b.batch_index.tolist() and len(a.scores) == sum(EXPECTED_FACES.values())
+    assert np.allclose(a.scores, b.scores, atol=1e-3)
+    assert np.abs(a.boxes_xyxy - b.boxes_xyxy).max() < 0.05 and np.abs(a.landmarks - b.landmarks).max() < 0.05
