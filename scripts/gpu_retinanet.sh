@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # RetinaNet on the H200 (issues 3, 4, 7): the GPU tests, the side-by-side benchmark, and with two
 # GPUs the --devices and Ray runs. Usage (GPU machine, wheels installed, PYTHONPATH set):
-#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|ab|latency|scale
+#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|hostprofile|ab|latency|scale
 set -uo pipefail
 OUT=${OUT:-/tmp/gpudet-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -105,6 +105,16 @@ PY
         --json "$OUT/pipeline_$tag.json" 2>&1 | quiet | tail -40 | tee -a "$OUT/pipeline.txt"
     done
     ;;
+  hostprofile)  # where the host's time goes in gpudet's pass: py-spy on the GIL's holder and on every thread
+    # (scripts/profile_host.py; py-spy staged with the wheels: stage-wheels.sh py-spy==0.4.3); RUNS as for probe
+    images
+    export PATH=/tmp/site/bin:$PATH
+    for run in ${RUNS:-"retinaface_mnet025_heads_fp16"}; do
+      parse_run "$run"
+      $PY scripts/profile_host.py /tmp/imgset/jpg_abs.txt --config configs/$cfg.yaml $sets --limit 4000 \
+        --repeat "${REPEAT:-3}" --json "$OUT/host_$tag.json" 2>&1 | grep -v -i "warn" | tee -a "$OUT/host.txt"
+    done
+    ;;
   ab)  # the same gpudet benches on several code trees, interleaved round by round (A B A B), on one machine:
     # TREES="_ab/main _ab/branch": folders under the repository, each holding `pipeline/` from one commit
     # (git archive COMMIT pipeline | tar -x -C _ab/NAME); RUNS as for probe; ROUNDS (default 2); DEVICE (cuda).
@@ -161,5 +171,5 @@ print("one GPU, img/s after setup:", a["images_per_s"], "| two workers, per work
       [w.get("images_per_s") for w in b.get("workers", [])], "| wall totals:", a["seconds"]["total"], b["seconds"]["total"])
 PY
     ;;
-  *) echo "usage: $0 tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|ab|latency|scale" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|hostprofile|ab|latency|scale" >&2; exit 2 ;;
 esac

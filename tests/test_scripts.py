@@ -8,7 +8,8 @@ import sys
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
-import profile_pipeline as pp  # noqa: E402  (its helpers need nothing heavier than json)
+import profile_host as ph  # noqa: E402  (the helpers of both need nothing heavier than json)
+import profile_pipeline as pp  # noqa: E402
 
 SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
 
@@ -107,3 +108,32 @@ def test_profile_pipeline_reads_device_work_from_a_chrome_trace(tmp_path):
     events = pp.device_events(path)
     assert [(e["name"], e["stream"], e["ts"], e["dur"]) for e in events] == [
         ("conv", 7, 10.5, 4.0), ("Memcpy DtoH", 3, 20.0, 1.0), ("Memset", 3, 22.0, 1.0)]
+
+
+def test_profile_host_reads_py_spy_stacks_per_thread_pool():
+    """scripts/profile_host.py on made-up py-spy raw output (--threads): a pool's numbered threads
+    count as one, each stack's innermost frame and innermost frame in gpudet's code are ranked,
+    and share_of_pass is samples over rate x seconds (with --gil: the GIL's busy share)."""
+    raw = "\n".join([
+        "thread (11): MainThread;<module> (pipeline/__main__.py:5);stream (pipeline/detector.py:440);"
+        "run (nvidia/dali/pipeline.py:10) 30",
+        "thread (12): gpudet-read_0;_worker (concurrent/futures/thread.py:81);read_checked (pipeline/source.py:210);"
+        "image_size (pipeline/source.py:150) 20",
+        "thread (13): gpudet-read_1;_worker (concurrent/futures/thread.py:81);read_checked (pipeline/source.py:210);"
+        "image_size (pipeline/source.py:150) 15",
+        "thread (14): gpudet-read_1;_worker (concurrent/futures/thread.py:81) 5",
+        "thread (15): gpudet-engine;_launch (pipeline/engine.py:346);run_with_iobinding (onnxruntime/x.py:578) 10",
+        "py-spy> a line that is not a stack",
+    ])
+    samples = ph.parse_raw(raw)
+    assert [(name, n) for name, _, n in samples] == [
+        ("MainThread", 30), ("gpudet-read_0", 20), ("gpudet-read_1", 15), ("gpudet-read_1", 5), ("gpudet-engine", 10)]
+    report = ph.summarize(samples, rate=100, seconds=0.5, top=2)
+    assert report["samples"] == 80 and report["share_of_pass"] == 1.6
+    assert list(report["threads"]) == ["gpudet-read", "MainThread", "gpudet-engine"]
+    read = report["threads"]["gpudet-read"]
+    assert read["samples"] == 40 and read["share_of_samples"] == 0.5
+    assert read["innermost"] == {"image_size (pipeline/source.py:150)": 35, "_worker (concurrent/futures/thread.py:81)": 5}
+    assert read["innermost_in_gpudet"] == {"image_size (pipeline/source.py:150)": 35, "(outside gpudet's code)": 5}
+    assert report["threads"]["MainThread"]["innermost_in_gpudet"] == {"stream (pipeline/detector.py:440)": 30}
+    assert "gpudet-engine: 10 samples (12%)" in ph.format_summary("gil", report)
