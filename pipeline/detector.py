@@ -366,7 +366,8 @@ class Detector:
         out-of-memory; returns the function that postprocesses it. reader: the postprocess still
         reading that slot's buffers (two batches back), waited for first (its errors are raised
         where its own result is taken). Clock: "engine" is this thread's time (queueing the
-        model), "engine_gpu" the model's time on the device, counted once the postprocess is done."""
+        model), "engine_gpu" the span of the run's events on the engine's stream (its kernels, and any
+        wait there for the host to queue the rest), counted once the postprocess is done."""
         if reader is not None:
             wait([reader])
         start = time.perf_counter()

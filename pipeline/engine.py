@@ -372,8 +372,9 @@ class Launched:
             torch.cuda.current_stream(self.device).wait_event(self.finished)
 
     def seconds(self) -> float | None:
-        """The run's time on the device, start of its input copy to its last kernel; only once
-        the run has finished (after the reader synchronized), else None."""
+        """Seconds between the run's events on the engine's stream (from its input copy to its last
+        kernel, with any wait there for the host to queue the rest); only once the run has
+        finished (after the reader synchronized), else None."""
         if self.started is None or not self.finished.query():
             return None
         return self.started.elapsed_time(self.finished) / 1000
