@@ -88,8 +88,8 @@ def summarize(samples: list[tuple[str, list[str], int]], *, rate: float, seconds
 
 
 def format_summary(mode: str, report: dict) -> str:
-    lines = [f"== py-spy --{mode}: {report['samples']} samples over {report['seconds']:.2f} s at {report['rate_hz']:.0f} Hz "
-             f"(share of the pass: {report['share_of_pass']})"]
+    lines = [f"== py-spy --{mode}: {report['samples']} samples over {report['seconds']:.2f} s at "
+             f"{report['rate_hz']:.0f} Hz (share of the pass: {report['share_of_pass']})"]
     for group, t in report["threads"].items():
         lines.append(f"  {group}: {t['samples']} samples ({t['share_of_samples']:.0%})")
         lines += [f"      {n:6d}  {frame}" for frame, n in t["innermost"].items()]
