@@ -133,7 +133,8 @@ def test_profile_host_reads_py_spy_stacks_per_thread_pool():
     assert list(report["threads"]) == ["gpudet-read", "MainThread", "gpudet-engine"]
     read = report["threads"]["gpudet-read"]
     assert read["samples"] == 40 and read["share_of_samples"] == 0.5
-    assert read["innermost"] == {"image_size (pipeline/source.py:150)": 35, "_worker (concurrent/futures/thread.py:81)": 5}
+    assert read["innermost"] == {"image_size (pipeline/source.py:150)": 35,
+                                 "_worker (concurrent/futures/thread.py:81)": 5}
     assert read["innermost_in_gpudet"] == {"image_size (pipeline/source.py:150)": 35, "(outside gpudet's code)": 5}
     assert report["threads"]["MainThread"]["innermost_in_gpudet"] == {"stream (pipeline/detector.py:440)": 30}
     assert "gpudet-engine: 10 samples (12%)" in ph.format_summary("gil", report)
