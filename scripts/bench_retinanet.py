@@ -5,6 +5,8 @@ the same network costs on this machine.
     torch eager        the same heads in torch, fp16 channels_last (model-only)
     postprocess        gpudet's heads postprocess (RetinaNetHeads) per batch, at score 0.05 and 0;
                        the end-to-end model's in-graph postprocess as (e2e time - heads time)
+    dali               DALI alone (the config's letterbox into the model's input), on the GPU and
+                       on the CPU's threads, images in memory
     torchvision post   torchvision's own postprocess_detections (a Python loop per image)
     pytorch pipeline   DataLoader with PIL decode/letterbox in worker processes, fp16 eager
                        torchvision RetinaNet with its own postprocess, detections to the host
@@ -299,6 +301,31 @@ def pytorch_pipeline(paths: list[str], model: torch.nn.Module, batch: int, size_
     return {PYTORCH: {"images_per_s": round(rate, 1), "workers": workers}}
 
 
+def dali_alone(paths: list[str], batch: int, size_hw: tuple[int, int], workers: int, log) -> dict:
+    """DALI alone, the RetinaNet config's preprocessing into the heads model's input (float16 NCHW),
+    over the images already in memory, two batches in flight: on the GPU (nvJPEG and the hardware
+    decoder, the config's threads) and on the CPU with `workers` threads."""
+    from pipeline.bench import dali_images_per_s
+    from pipeline.detector import preprocessor_args
+    from pipeline.engine import ImageInput
+    from pipeline.preprocess import Preprocessor
+    from pipeline.source import EncodedImage, ImageRef, read_checked
+
+    items = [i for i in (read_checked(ImageRef(k, p)) for k, p in enumerate(paths)) if isinstance(i, EncodedImage)]
+    model_input = ImageInput("images", "NCHW", "float16", size_hw)
+    results = {}
+    for device_name, threads in ([("cuda", None)] if DEVICE == "cuda" else []) + [("cpu", workers)]:
+        config = load_config(CONFIG, [f"run.batch_size={batch}"] + ([f"run.num_threads={threads}"] if threads else []))
+        device = resolve_device(device_name)
+        preprocessor = Preprocessor(device=device, **preprocessor_args(config, model_input, device))
+        rate = dali_images_per_s(items, preprocessor)
+        key = f"dali {device_name}, {preprocessor.num_threads} threads"
+        results[key] = {"images_per_s": round(rate, 1), "images": len(items)}
+        log(f"{key}: {rate:.1f} img/s")
+        del preprocessor
+    return results
+
+
 def gpudet_runs(list_file: str, files: dict[str, Path], batch: int, log) -> dict:
     from pipeline.bench import gpudet_images_per_s, naive_images_per_s
     from pipeline.detector import Detector
@@ -331,7 +358,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=50)
     parser.add_argument("--limit", type=int, default=2000, help="images for the end-to-end runs")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
-    parser.add_argument("--only", nargs="*", default=["model", "postprocess", "pytorch", "gpudet"])
+    parser.add_argument("--only", nargs="*", default=["model", "postprocess", "dali", "pytorch", "gpudet"])
     a = parser.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     report_path = a.out / "bench_retinanet.json"
@@ -351,6 +378,7 @@ def main() -> None:
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv)}
     sections = {"model": lambda: model_only(files, model, a.batch_size, size_hw, a.iterations, log),
                 "postprocess": lambda: postprocess(files, model, a.batch_size, size_hw, a.iterations, log),
+                "dali": lambda: dali_alone(paths, a.batch_size, size_hw, a.workers, log),
                 "pytorch": lambda: pytorch_pipeline(paths, model, a.batch_size, size_hw, a.workers, log),
                 "gpudet": lambda: gpudet_runs(str(limited), files, a.batch_size, log)}
     for name in a.only:

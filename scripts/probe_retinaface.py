@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.bench import machine
+from pipeline.bench import dali_images_per_s, machine
 from pipeline.config import load_config
 from pipeline.detector import preprocessor_args
 from pipeline.device import resolve_device
@@ -71,20 +71,7 @@ def dali_rates(list_file: str, batch_sizes: list[int], threads: list[int], dtype
         config = load_config(CONFIG, [f"run.batch_size={batch}", f"run.num_threads={n}"])
         model_input = ImageInput("input", "NCHW", dtype, (640, 640))
         pre = Preprocessor(device=device, **preprocessor_args(config, model_input, device))
-        batches = [items[i:i + batch] for i in range(0, len(items), batch)]
-
-        def run_all(pre: Preprocessor) -> None:
-            for chunk in batches:
-                while len(pre.in_flight) >= 2:
-                    pre.result()
-                pre.submit(chunk)
-            while pre.in_flight:
-                pre.result()
-
-        run_all(pre)  # warm-up: allocations, the hardware decoder
-        start = time.perf_counter()
-        run_all(pre)
-        rate = len(items) / (time.perf_counter() - start)
+        rate = dali_images_per_s(items, pre)
         results[f"dali b{batch} threads {n} {dtype}"] = {"images_per_s": round(rate)}
         log(f"dali b{batch} threads {n} {dtype}: {rate:.0f} img/s")
         del pre

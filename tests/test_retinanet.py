@@ -433,7 +433,7 @@ def test_the_benchmark_script_runs(tmp_path):
     out = tmp_path / "bench"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_retinanet.py"), str(listing), "--out", str(out),
                     "--batch-size", "2", "--size", "128", "128", "--iterations", "2", "--workers", "1",
-                    "--only", "postprocess", "pytorch", "gpudet"], check=True, capture_output=True)
+                    "--only", "postprocess", "dali", "pytorch", "gpudet"], check=True, capture_output=True)
     report = json.loads((out / "bench_retinanet.json").read_text())
     results = report["results"]
     assert results["gpudet heads postprocess score>0.0"]["candidates_per_image"] > 0
@@ -442,6 +442,7 @@ def test_the_benchmark_script_runs(tmp_path):
     assert results["gpudet heads_fp16"]["images_per_s"] > 0 and results["gpudet e2e_fp16"]["contract"] == "end_to_end"
     assert results["pytorch pipeline (DataLoader + eager fp16 + torchvision postprocess)"]["images_per_s"] > 0
     assert report["ratios"]["gpudet heads / pytorch pipeline"] > 0 and report["machine"]["cores"] >= 1
+    assert results["dali cpu, 1 threads"]["images_per_s"] > 0 and results["dali cpu, 1 threads"]["images"] == 2
 
 
 def test_gpudet_bench_on_a_static_batch_model(exported, tmp_path, capsys):
