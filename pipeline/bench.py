@@ -4,7 +4,8 @@
                  one image at a time: what users write first
     gpudet       the whole pipeline (Detector.stream), records written to a JSONL file
     model        ORT alone with IOBinding on one preprocessed batch, repeated
-    preprocess   DALI alone on the same images
+    preprocess   DALI alone on the same images (read into memory first), run.prefetch_batches in
+                 flight as in the pipeline
 
 Each measurement is warmed up first and counts images/s over the whole set (model: over
 repeated batches); for gpudet also the seconds the loop waited on each stage and, on a GPU, the
@@ -123,15 +124,6 @@ def model_images_per_s(items: list[EncodedImage], detector: Detector, iterations
     return len(items) * iterations / (time.perf_counter() - start)
 
 
-def preprocess_images_per_s(items: list[EncodedImage], detector: Detector, iterations: int) -> float:
-    for _ in range(2):
-        detector.preprocessor.run(items)
-    start = time.perf_counter()
-    for _ in range(iterations):
-        detector.preprocessor.run(items)
-    return len(items) * iterations / (time.perf_counter() - start)
-
-
 def dali_images_per_s(items: list[EncodedImage], preprocessor: Preprocessor, in_flight: int = 2) -> float:
     """DALI alone over `items` (bytes already in memory), `in_flight` batches submitted ahead as the
     pipeline keeps them, after one warm-up pass (allocations, the hardware decoder's start)."""
@@ -217,7 +209,9 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
     rates = {
         "gpudet": gpudet_rate,
         "model": model_images_per_s(items, detector, iterations),
-        "preprocess": preprocess_images_per_s(items, detector, iterations),
+        # every image, in memory, as many batches in flight as the pipeline keeps
+        "preprocess": dali_images_per_s([i for i in map(read_checked, refs) if isinstance(i, EncodedImage)],
+                                        detector.preprocessor, in_flight=config.run.prefetch_batches),
     }
     # The naive loop and the latency mode run one image at a time: not with a fixed batch size.
     fixed_batch = detector.engine.declared_batch if detector.engine.declared_batch not in (None, 1) else None
