@@ -31,11 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from .config import Config
-from .detector import Detector, StageClock, engine_args
+from .detector import Detector, StageClock, engine_args, preprocess_stream
 from .engine import SCALAR_INPUTS
 from .preprocess import Preprocessor
 from .sinks import JsonlWriter, detection_records
-from .source import EncodedImage, ImageRef, list_images, read_checked
+from .source import EncodedImage, ImageError, ImageRef, list_images, read_checked
 
 
 def naive_images_per_s(refs: list[ImageRef], detector: Detector) -> float:
@@ -125,18 +125,18 @@ def model_images_per_s(items: list[EncodedImage], detector: Detector, iterations
 
 
 def dali_images_per_s(items: list[EncodedImage], preprocessor: Preprocessor, in_flight: int = 2) -> float:
-    """DALI alone over `items` (bytes already in memory), `in_flight` batches submitted ahead as the
-    pipeline keeps them, after one warm-up pass (allocations, the hardware decoder's start)."""
+    """DALI alone over `items` (bytes already in memory), fed as the pipeline feeds it
+    (preprocess_stream, `in_flight` batches ahead), after one warm-up pass (allocations, the
+    hardware decoder's start). An image DALI cannot decode stops the measurement."""
     size = preprocessor.batch_size
     batches = [items[i:i + size] for i in range(0, len(items), size)]
 
+    def undecodable(errors: list[ImageError]) -> None:
+        raise RuntimeError("DALI alone: cannot decode " + "; ".join(f"{e.path}: {e.message}" for e in errors))
+
     def run_all() -> None:
-        for chunk in batches:
-            while len(preprocessor.in_flight) >= in_flight:
-                preprocessor.result()
-            preprocessor.submit(chunk)
-        while preprocessor.in_flight:
-            preprocessor.result()
+        for _ in preprocess_stream(preprocessor, batches, undecodable, depth=in_flight):
+            pass
 
     run_all()
     start = time.perf_counter()
