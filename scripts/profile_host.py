@@ -153,15 +153,16 @@ def main() -> None:
     allow_tracing_by_children()
     report = {"config": args.config, "overrides": args.overrides, "images": len(refs),
               "device": detector.device.describe()}
-    folder = args.raw or Path(tempfile.mkdtemp())
-    folder.mkdir(parents=True, exist_ok=True)
-    for mode in ("gil", "idle"):
-        (rate, stages), seconds, raw = sampled(py_spy, mode, args.rate, folder / f"pyspy_{mode}.txt",
-                                               lambda: gpudet_images_per_s(refs, detector))
-        report[mode] = {"images_per_s": round(rate, 1), "stages_s": stages,
-                        **summarize(parse_raw(raw), rate=args.rate, seconds=seconds, top=args.top)}
-        print(f"images/s while sampled: {rate:.1f}; stages (s the loop waited): {stages}")
-        print(format_summary(mode, report[mode]), flush=True)
+    with tempfile.TemporaryDirectory() as scratch:  # py-spy's files, unless --raw keeps them
+        folder = args.raw or Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        for mode in ("gil", "idle"):
+            (rate, stages), seconds, raw = sampled(py_spy, mode, args.rate, folder / f"pyspy_{mode}.txt",
+                                                   lambda: gpudet_images_per_s(refs, detector))
+            report[mode] = {"images_per_s": round(rate, 1), "stages_s": stages,
+                            **summarize(parse_raw(raw), rate=args.rate, seconds=seconds, top=args.top)}
+            print(f"images/s while sampled: {rate:.1f}; stages (s the loop waited): {stages}")
+            print(format_summary(mode, report[mode]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
 
