@@ -187,18 +187,21 @@ def test_ssd_heads_finish_an_image_that_does_not_converge_exactly(device, monkey
     assert np.allclose(found.landmarks, expected.landmarks)
 
 
-def test_the_float16_heads_config_finds_the_float32_faces():
-    """configs/retinaface_mnet025_heads_fp16.yaml (the GPU's fastest) on the CPU: the faces of the
-    float32 heads model, within 3 px and 0.01 in score (float16 weights and activations)."""
+def sample_detections(config: str, device: str = "cpu", overrides: tuple[str, ...] = ()):
+    """The detector of configs/`config` at batch 8 and its detections of the six sample photos (one batch)."""
     from pipeline import Detector
     from pipeline.source import list_images
 
-    def detections(config):
-        detector = Detector.from_config(ROOT / "configs" / config, device="cpu", batch_size=8)
-        (batch, found), = list(detector.stream(list_images(SAMPLES), on_error=lambda errors: None))
-        return found
+    detector = Detector.from_config(ROOT / "configs" / config, device=device, batch_size=8, overrides=overrides)
+    (batch, found), = list(detector.stream(list_images(SAMPLES), on_error=lambda errors: None))
+    return detector, found
 
-    fp16, fp32 = detections("retinaface_mnet025_heads_fp16.yaml"), detections("retinaface_mnet025_heads.yaml")
+
+def test_the_float16_heads_config_finds_the_float32_faces():
+    """configs/retinaface_mnet025_heads_fp16.yaml (the GPU's fastest) on the CPU: the faces of the
+    float32 heads model, within 3 px and 0.01 in score (float16 weights and activations)."""
+    (_, fp16), (_, fp32) = sample_detections("retinaface_mnet025_heads_fp16.yaml"), \
+        sample_detections("retinaface_mnet025_heads.yaml")
     assert fp16.batch_index.tolist() == fp32.batch_index.tolist() and len(fp32.scores) >= 3
     assert np.allclose(fp16.scores, fp32.scores, atol=0.01)
     assert np.abs(fp16.boxes_xyxy - fp32.boxes_xyxy).max() < 3 and np.abs(fp16.landmarks - fp32.landmarks).max() < 3
@@ -236,17 +239,10 @@ def test_the_nhwc_input_build_finds_the_same_faces(device):
     """models/retinaface_mnet025_heads_640_fp16_nhwc.onnx (build_retinaface.py --nhwc: the image as
     [B, H, W, 3], which DALI then writes without its permute) in the float16 heads config: the NCHW
     model's faces, on the CPU and with the config's GPU options."""
-    from pipeline import Detector
-    from pipeline.source import list_images
-
-    def detections(*overrides):
-        detector = Detector.from_config(ROOT / "configs" / "retinaface_mnet025_heads_fp16.yaml", device=device,
-                                        batch_size=8, overrides=overrides)
-        (batch, found), = list(detector.stream(list_images(SAMPLES), on_error=lambda errors: None))
-        return detector.engine.image_input.layout, found
-
-    (layout_a, a), (layout_b, b) = detections(), detections("model.path=retinaface_mnet025_heads_640_fp16_nhwc.onnx")
-    assert (layout_a, layout_b) == ("NCHW", "NHWC")
+    config = "retinaface_mnet025_heads_fp16.yaml"
+    nchw, a = sample_detections(config, device)
+    nhwc, b = sample_detections(config, device, ("model.path=retinaface_mnet025_heads_640_fp16_nhwc.onnx",))
+    assert (nchw.engine.image_input.layout, nhwc.engine.image_input.layout) == ("NCHW", "NHWC")
     assert a.batch_index.tolist() == b.batch_index.tolist() and len(a.scores) == sum(EXPECTED_FACES.values())
     assert np.allclose(a.scores, b.scores, atol=1e-3)
     assert np.abs(a.boxes_xyxy - b.boxes_xyxy).max() < 0.05 and np.abs(a.landmarks - b.landmarks).max() < 0.05
