@@ -218,16 +218,24 @@ def read_checked(ref: ImageRef, max_pixels: int = 0) -> EncodedImage | ImageErro
     return EncodedImage(ref, np.frombuffer(data, dtype=np.uint8))
 
 
+def read_all(refs: Sequence[ImageRef], max_pixels: int = 0) -> list[EncodedImage | ImageError]:
+    return [read_checked(r, max_pixels) for r in refs]
+
+
 def read_batches(refs: Sequence[ImageRef], *, batch_size: int, num_threads: int, max_pixels: int = 0,
                  lookahead: int = 2) -> Iterator[list[EncodedImage | ImageError]]:
-    """Yield batches of read-and-checked images in order, reading `lookahead` batches ahead."""
+    """Yield batches of read-and-checked images in order, reading `lookahead` batches ahead. A batch
+    is read by num_threads tasks of consecutive files, not one task per file: fewer hand-offs
+    between threads (on a 2-core machine one thread read twice as fast this way)."""
     chunks = [refs[i:i + batch_size] for i in range(0, len(refs), batch_size)]
+    step = -(-batch_size // max(1, num_threads))
     with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="gpudet-read") as pool:
-        pending: list[list[Future]] = []
-        for chunk in chunks[:lookahead]:
-            pending.append([pool.submit(read_checked, r, max_pixels) for r in chunk])
+        def submit(chunk: Sequence[ImageRef]) -> list[Future]:
+            return [pool.submit(read_all, chunk[i:i + step], max_pixels) for i in range(0, len(chunk), step)]
+
+        pending = [submit(chunk) for chunk in chunks[:lookahead]]
         for next_chunk in chunks[lookahead:] + [None] * min(lookahead, len(chunks)):
             futures = pending.pop(0)
             if next_chunk is not None:
-                pending.append([pool.submit(read_checked, r, max_pixels) for r in next_chunk])
-            yield [f.result() for f in futures]
+                pending.append(submit(next_chunk))
+            yield [item for f in futures for item in f.result()]
