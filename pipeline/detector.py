@@ -404,6 +404,7 @@ class Detector:
         def checked_batches() -> Iterator[list[EncodedImage]]:
             for items in clock.timed(read_batches(refs, batch_size=config.run.batch_size,
                                                   num_threads=config.run.num_threads,
+                                                  processes=config.run.read_processes,
                                                   max_pixels=config.preprocess.max_pixels), "read"):
                 on_error([i for i in items if isinstance(i, ImageError)])
                 yield [i for i in items if isinstance(i, EncodedImage)]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # RetinaNet on the H200 (issues 3, 4, 7): the GPU tests, the side-by-side benchmark, and with two
 # GPUs the --devices and Ray runs. Usage (GPU machine, wheels installed, PYTHONPATH set):
-#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|hostprofile|ab|latency|scale
+#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|hostprofile|read|ab|latency|scale
 set -uo pipefail
 OUT=${OUT:-/tmp/gpudet-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -118,6 +118,11 @@ PY
         --repeat "${REPEAT:-3}" --json "$OUT/host_$tag.json" 2>&1 | grep -v -i "warn" | tee -a "$OUT/host.txt"
     done
     ;;
+  read)  # gpudet's file reading alone: threads against worker processes, alone and beside a busy thread
+    images
+    $PY scripts/probe_read.py /tmp/imgset/jpg_abs.txt --threads 4 --processes 1 2 4 --rounds 3 \
+      --json "$OUT/read.json" 2>&1 | tee "$OUT/read.txt"
+    ;;
   ab)  # the same gpudet benches on several code trees, interleaved round by round (A B A B), on one machine:
     # TREES="_ab/main _ab/branch": folders under the repository, each holding `pipeline/` from one commit
     # (git archive COMMIT pipeline | tar -x -C _ab/NAME); RUNS as for probe; ROUNDS (default 2); DEVICE (cuda).
@@ -174,5 +179,5 @@ print("one GPU, img/s after setup:", a["images_per_s"], "| two workers, per work
       [w.get("images_per_s") for w in b.get("workers", [])], "| wall totals:", a["seconds"]["total"], b["seconds"]["total"])
 PY
     ;;
-  *) echo "usage: $0 tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|hostprofile|ab|latency|scale" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|hostprofile|read|ab|latency|scale" >&2; exit 2 ;;
 esac

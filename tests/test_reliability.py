@@ -108,10 +108,11 @@ def build_corpus(folder: Path) -> tuple[Path, dict[str, set[str]]]:
 
 
 @cpu_and_cuda()
-def test_fault_injection_corpus(tmp_path, device):
+@pytest.mark.parametrize("read_processes", [0, 2])  # files read on threads, or in worker processes
+def test_fault_injection_corpus(tmp_path, device, read_processes):
     listing, expected = build_corpus(tmp_path / "corpus")
     code = main(["detect", str(listing), "--out", str(tmp_path / "out"), "--device", device, "--batch-size", "4",
-                 "--no-progress"])
+                 "--no-progress", "--set", f"run.read_processes={read_processes}"])
     assert code == 3
     done = read_jsonl(tmp_path / "out" / "detections.jsonl")
     failed = read_jsonl(tmp_path / "out" / "errors.jsonl")

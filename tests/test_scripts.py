@@ -138,3 +138,15 @@ def test_profile_host_reads_py_spy_stacks_per_thread_pool():
     assert read["innermost_in_gpudet"] == {"image_size (pipeline/source.py:150)": 35, "(outside gpudet's code)": 5}
     assert report["threads"]["MainThread"]["innermost_in_gpudet"] == {"stream (pipeline/detector.py:440)": 30}
     assert "gpudet-engine: 10 samples (12%)" in ph.format_summary("gil", report)
+
+
+def test_probe_read_measures_threads_and_processes(tmp_path):
+    out = tmp_path / "read.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_read.py"), str(ROOT / "samples"), "--threads", "2",
+                    "--processes", "1", "--rounds", "20", "--batch-size", "8", "--json", str(out)],
+                   check=True, capture_output=True, cwd=ROOT, timeout=300)
+    report = json.loads(out.read_text())
+    assert report["images"] == 20 * report["files"] and report["files"] == len(list((ROOT / "samples").glob("*.*g")))
+    assert [(r["reader"], r["busy_thread"]) for r in report["rows"]] == [
+        ("2 threads", False), ("2 threads", True), ("1 processes", False), ("1 processes", True)]
+    assert all(r["images_per_s"] > 0 for r in report["rows"])

@@ -1,6 +1,8 @@
+import numpy as np
 import pytest
 
-from pipeline.source import EncodedImage, ImageRef, SourceError, list_images, read_batches, read_checked
+from pipeline.source import (EncodedImage, ImageError, ImageRef, ProcessReaders, SourceError, list_images,
+                             read_batches, read_checked)
 
 from conftest import SAMPLES
 
@@ -47,3 +49,60 @@ def test_read_batches_keeps_order_and_a_smaller_last_batch():
     assert [i.ref.index for b in batches for i in b] == list(range(6))
     assert list(read_batches(refs[:1], batch_size=4, num_threads=2, lookahead=3))[0][0].ref.index == 0
     assert list(read_batches([], batch_size=4, num_threads=1)) == []
+
+
+def _mixed_refs(tmp_path) -> list[ImageRef]:
+    """Good photos with a bad file of every kind among them."""
+    (tmp_path / "empty.jpg").write_bytes(b"")
+    (tmp_path / "text.jpg").write_text("hello, not a jpeg")
+    (tmp_path / "dir.jpg").mkdir()
+    paths = [r.path for r in list_images(SAMPLES)]
+    paths[1:1] = [str(tmp_path / n) for n in ["empty.jpg", "text.jpg", "dir.jpg", "missing.jpg"]]
+    return [ImageRef(k, p) for k, p in enumerate(paths)]
+
+
+def _as_comparable(batches) -> list[list[tuple]]:
+    return [[(i.ref, i.data.tobytes()) if isinstance(i, EncodedImage) else i for i in b] for b in batches]
+
+
+@pytest.mark.parametrize("processes", [1, 3])
+def test_reading_in_processes_gives_what_threads_give(tmp_path, processes):
+    refs = _mixed_refs(tmp_path)
+    threads = list(read_batches(refs, batch_size=3, num_threads=2, max_pixels=300_000))  # 512x600 is over
+    worker_read = list(read_batches(refs, batch_size=3, num_threads=2, max_pixels=300_000, processes=processes))
+    assert _as_comparable(worker_read) == _as_comparable(threads)
+    reasons = [i.reason for b in worker_read for i in b if isinstance(i, ImageError)]
+    assert sorted(reasons) == ["empty", "missing", "not_a_file", "too_large", "unknown_format"]
+    good = [i for b in worker_read for i in b if isinstance(i, EncodedImage)]
+    assert good and all(i.data.dtype == np.uint8 and not i.data.flags.writeable for i in good)
+
+
+def test_a_dead_reader_process_loses_no_image(tmp_path):
+    refs = _mixed_refs(tmp_path)
+    expected = _as_comparable(read_all_batches([refs[k:k + 2] for k in range(0, len(refs), 2)]))
+    with ProcessReaders(refs, 1, batch_size=2) as readers:
+        readers.submit(0)
+        readers.submit(1)
+        got = [readers.result(0)]
+        readers._workers[0].kill()  # batch 1 asked of it, maybe answered; the rest asked of a dead one
+        readers._workers[0].wait()
+        for k in range(2, len(expected)):
+            readers.submit(k)
+        got += [readers.result(k) for k in range(1, len(expected))]
+        assert readers._alive == [False]
+    assert _as_comparable(got) == expected
+
+
+def test_a_reader_process_that_fails_on_a_batch_hands_it_back():
+    refs = [ImageRef(0, None), ImageRef(1, str(SAMPLES / "china.jpg"))]  # open(None) raises TypeError
+    with ProcessReaders(refs, 1, batch_size=1) as readers:
+        readers.submit(0)
+        readers.submit(1)
+        with pytest.raises(TypeError):
+            readers.result(0)  # read here, where the error is the caller's
+        assert _as_comparable([readers.result(1)]) == _as_comparable(read_all_batches([refs[1:]]))
+        assert readers._alive == [True]
+
+
+def read_all_batches(chunks):
+    return [[read_checked(r) for r in chunk] for chunk in chunks]
