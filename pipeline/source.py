@@ -277,11 +277,14 @@ def _read_in_processes(refs: Sequence[ImageRef], *, batch_size: int, processes: 
         for k in range(min(lookahead, count)):
             readers.submit(k)
         pending = deque(receiver.submit(receive, k) for k in range(min(lookahead, count)))
-        for k in range(count):
-            items = pending.popleft().result()
-            if k + lookahead < count:
-                pending.append(receiver.submit(receive, k + lookahead))
-            yield items
+        try:
+            for k in range(count):
+                items = pending.popleft().result()
+                if k + lookahead < count:
+                    pending.append(receiver.submit(receive, k + lookahead))
+                yield items
+        finally:  # a consumer that stops early waits for one batch at most, not the whole lookahead
+            receiver.shutdown(cancel_futures=True)
 
 
 class ProcessReaders:

@@ -1,3 +1,6 @@
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -106,3 +109,25 @@ def test_a_reader_process_that_fails_on_a_batch_hands_it_back():
 
 def read_all_batches(chunks):
     return [[read_checked(r) for r in chunk] for chunk in chunks]
+
+
+def test_stopping_early_ends_the_reader_processes():
+    refs = [ImageRef(k, str(SAMPLES / "china.jpg")) for k in range(40)]
+    batches = read_batches(refs, batch_size=2, num_threads=1, lookahead=4, processes=2)
+    assert next(batches)[0].ref.index == 0
+    assert len([p for p in _children() if "_read_worker" in p]) == 2
+    batches.close()  # as a consumer that fails mid-run does
+    assert not [p for p in _children() if "_read_worker" in p]
+
+
+def _children() -> list[str]:
+    """Command lines of this process's living children."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = status.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                found.append((status.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
