@@ -308,7 +308,7 @@ class ProcessReaders:
         self.refs, self.batch_size, self.max_pixels = refs, batch_size, max_pixels
         package_root = str(Path(__file__).resolve().parent.parent)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
-        table = _memfd(pickle.dumps(([r.index for r in refs], [r.path for r in refs], max_pixels), protocol=5))
+        table = _memfd(_pack_refs(refs, max_pixels))
         self._sockets: list[socket.socket] = []
         self._workers: list[subprocess.Popen] = []
         self._alive: list[bool] = []
@@ -369,6 +369,32 @@ class ProcessReaders:
         self.close()
 
 
+def _pack_refs(refs: Sequence[ImageRef], max_pixels: int) -> bytes:
+    """int64 [count, max_pixels], [count + 1] path offsets, [count] indices, then the paths' bytes:
+    the workers map it and decode a path when they read it, so a list of millions costs each of
+    them no copy of its own."""
+    paths = [os.fsencode(r.path) for r in refs]
+    offsets = np.zeros(len(paths) + 1, dtype=np.int64)
+    np.cumsum([len(p) for p in paths], out=offsets[1:])
+    return b"".join([np.array([len(refs), max_pixels], dtype=np.int64).tobytes(), offsets.tobytes(),
+                     np.array([r.index for r in refs], dtype=np.int64).tobytes(), *paths])
+
+
+class _PackedRefs:
+    """The worker's side of _pack_refs."""
+
+    def __init__(self, table: mmap.mmap):
+        self.table = table
+        count, self.max_pixels = (int(v) for v in np.frombuffer(table, dtype=np.int64, count=2))
+        self.offsets = np.frombuffer(table, dtype=np.int64, count=count + 1, offset=16)
+        self.indices = np.frombuffer(table, dtype=np.int64, count=count, offset=16 + 8 * (count + 1))
+        self.start = 16 + 8 * (2 * count + 1)
+
+    def __getitem__(self, i: int) -> ImageRef:
+        begin, end = self.start + int(self.offsets[i]), self.start + int(self.offsets[i + 1])
+        return ImageRef(int(self.indices[i]), os.fsdecode(self.table[begin:end]))
+
+
 def _memfd(data: bytes) -> int:
     fd = os.memfd_create("gpudet-read")  # close-on-exec; Popen's pass_fds opens it to the worker
     view = memoryview(data)
@@ -397,14 +423,12 @@ def _unpack(ancillary: list, checks_size: int, total: int) -> list[EncodedImage 
 
 
 def _read_worker(fd: int, table: int) -> None:
-    """A ProcessReaders worker on SOCK_SEQPACKET socket `fd`; `table` is a memfd holding the
-    pickled (indices, paths, max_pixels). Per request (first, count), read_all of those refs and
-    answer (checks size, total size) with a memfd of both (see _unpack); (-1, 0) if it failed.
-    Returns when the parent closes the socket."""
+    """A ProcessReaders worker on SOCK_SEQPACKET socket `fd`; `table` is a memfd of _pack_refs.
+    Per request (first, count), read_all of those refs and answer (checks size, total size) with
+    a memfd of both (see _unpack); (-1, 0) if it failed. Returns when the parent closes the socket."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes us
     conn = socket.socket(fileno=fd)
-    with mmap.mmap(table, 0, prot=mmap.PROT_READ) as m:  # not read(): the workers share its offset
-        indices, paths, max_pixels = pickle.loads(m)
+    refs = _PackedRefs(mmap.mmap(table, 0, prot=mmap.PROT_READ))  # mapped, not read: the workers share its offset
     os.close(table)
     while True:
         request = conn.recv(16)
@@ -413,7 +437,7 @@ def _read_worker(fd: int, table: int) -> None:
         first, count = struct.unpack("qq", request)
         reply = -1
         try:
-            items = read_all([ImageRef(indices[i], paths[i]) for i in range(first, first + count)], max_pixels)
+            items = read_all([refs[i] for i in range(first, first + count)], refs.max_pixels)
             checks = pickle.dumps([(i.ref, len(i.data)) if isinstance(i, EncodedImage) else i for i in items],
                                   protocol=5)
             total = len(checks) + sum(len(i.data) for i in items if isinstance(i, EncodedImage))

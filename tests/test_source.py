@@ -59,8 +59,9 @@ def _mixed_refs(tmp_path) -> list[ImageRef]:
     (tmp_path / "empty.jpg").write_bytes(b"")
     (tmp_path / "text.jpg").write_text("hello, not a jpeg")
     (tmp_path / "dir.jpg").mkdir()
+    (tmp_path / "café 北京.jpg").write_bytes((SAMPLES / "china.jpg").read_bytes())
     paths = [r.path for r in list_images(SAMPLES)]
-    paths[1:1] = [str(tmp_path / n) for n in ["empty.jpg", "text.jpg", "dir.jpg", "missing.jpg"]]
+    paths[1:1] = [str(tmp_path / n) for n in ["empty.jpg", "text.jpg", "dir.jpg", "missing.jpg", "café 北京.jpg"]]
     return [ImageRef(k, p) for k, p in enumerate(paths)]
 
 
@@ -97,11 +98,11 @@ def test_a_dead_reader_process_loses_no_image(tmp_path):
 
 
 def test_a_reader_process_that_fails_on_a_batch_hands_it_back():
-    refs = [ImageRef(0, None), ImageRef(1, str(SAMPLES / "china.jpg"))]  # open(None) raises TypeError
+    refs = [ImageRef(0, "bad\0name.jpg"), ImageRef(1, str(SAMPLES / "china.jpg"))]  # open() raises ValueError
     with ProcessReaders(refs, 1, batch_size=1) as readers:
         readers.submit(0)
         readers.submit(1)
-        with pytest.raises(TypeError):
+        with pytest.raises(ValueError, match="null"):
             readers.result(0)  # read here, where the error is the caller's
         assert _as_comparable([readers.result(1)]) == _as_comparable(read_all_batches([refs[1:]]))
         assert readers._alive == [True]
