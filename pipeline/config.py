@@ -90,9 +90,10 @@ class RunConfig:
     read_processes: int = 0
     """Worker processes that read and check the files, one batch each in turn; 0 reads on
     num_threads threads of this process. A reading thread waits for the interpreter after every
-    open and read, up to Python's switch interval (5 ms) while another thread runs Python: here,
-    with one thread encoding JSON beside it, 4 threads read 216 img/s against 16,022 alone
-    (`scripts/probe_read.py`). Linux only (elsewhere: threads)."""
+    open and read, up to Python's switch interval (5 ms) while another thread runs Python: beside
+    a thread encoding JSON, 4 threads read 231-235 img/s (13,752-14,369 alone), 2 processes
+    2,233-3,023 (2 cores, `scripts/probe_read.py`, docs/BENCHMARKS.md). Linux only (elsewhere:
+    threads). Not measured on a GPU yet."""
     prefetch_batches: int = 2
     """Batches DALI preprocesses ahead of the one the engine takes (each one more holds a batch
     of encoded and decoded images and its model input in memory)."""
