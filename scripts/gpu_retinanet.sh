@@ -136,18 +136,19 @@ PY
           (cd "$tree" && PYTHONPATH="/tmp/site:$R/$tree" $PY -m pipeline bench /tmp/imgset/jpg_abs.txt \
             --config "$R/configs/$cfg.yaml" --device "${DEVICE:-cuda}" --limit "${LIMIT:-4000}" --skip-naive $sets \
             --json "$OUT/ab_$tag.json" 2>&1 | quiet | tail -3 >> "$OUT/ab.log")
+          # One line per run as it ends, and its JSON into one archive (the device sends back at most
+          # 8 files, and nothing of a run cut by a timeout but what is already in $OUT).
+          [ -f "$OUT/ab_$tag.json" ] && $PY - "$OUT/ab_$tag.json" <<'PY' | tee -a "$OUT/ab.txt"
+import json, sys
+r = json.load(open(sys.argv[1])); i, s = r["images_per_s"], r["gpudet_stages_s"]
+waits = " / ".join(f"{s.get(k, 0):.2f}" for k in ("read", "preprocess", "postprocess", "write"))
+print(f"{r['date'][11:19]}  {sys.argv[1].split('/')[-1][3:-5]:<60} gpudet {i['gpudet']:8.1f}  model {i['model']:8.1f}"
+      f"  dali {i.get('preprocess', 0):8.1f}  waits read/dali/post/write {waits}  gpu {s.get('gpu_utilisation_percent')}%")
+PY
+          [ -f "$OUT/ab_$tag.json" ] && (cd "$OUT" && tar -rf ab_json.tar "ab_$tag.json" && rm "ab_$tag.json")
         done
       done
     done
-    $PY - "$OUT" <<'PY' | tee "$OUT/ab.txt"
-import glob, json, sys
-for f in sorted(glob.glob(sys.argv[1] + "/ab_*.json"), key=lambda f: json.load(open(f))["date"]):
-    r = json.load(open(f))
-    print(f"{r['date'][11:19]}  {f.split('/')[-1][3:-5]:<60} gpudet {r['images_per_s']['gpudet']:8.1f}  "
-          f"model {r['images_per_s']['model']:8.1f}  ratio {r['ratios']['gpudet / model']:.3f}")
-PY
-    # The device sends back at most 8 files from $OUT: the JSONs go as one archive.
-    (cd "$OUT" && tar -czf ab_json.tgz ab_*.json && rm ab_*.json)
     ;;
   latency)  # batch-1 latency of RetinaNet: a batch-1 heads model through gpudet bench --latency
     [ -f $WORK/retinanet_heads_fp16_b1.onnx ] || $PY scripts/export_retinanet.py --contract retinanet_heads --fp16 \
