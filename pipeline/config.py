@@ -92,8 +92,10 @@ class RunConfig:
     num_threads threads of this process. A reading thread waits for the interpreter after every
     open and read, up to Python's switch interval (5 ms) while another thread runs Python: beside
     a thread encoding JSON, 4 threads read 231-235 img/s (13,752-14,369 alone), 2 processes
-    2,233-3,023 (2 cores, `scripts/probe_read.py`, docs/BENCHMARKS.md). Linux only (elsewhere:
-    threads). Not measured on a GPU yet."""
+    2,233-3,023 (2 cores, `scripts/probe_read.py`, docs/BENCHMARKS.md). For the GPU path, where
+    Python threads hand batches on at thousands of images per second; on the CPU path the cores
+    decode and run the model (2 cores: 17.2 against 19.8 img/s with 2 processes). Linux only
+    (elsewhere: threads). Not measured on a GPU yet."""
     prefetch_batches: int = 2
     """Batches DALI preprocesses ahead of the one the engine takes (each one more holds a batch
     of encoded and decoded images and its model input in memory)."""
