@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import glob as globlib
+import logging
 import mmap
 import os
 import pickle
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger("gpudet")
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".jp2", ".pnm", ".ppm",
                               ".pgm"})
@@ -334,7 +337,7 @@ class ProcessReaders:
             try:
                 self._sockets[w].send(struct.pack("qq", k * self.batch_size, len(self._chunk(k))))
             except OSError:
-                self._alive[w] = False
+                self._lost(w)
 
     def result(self, k: int) -> list[EncodedImage | ImageError]:
         """Batch k, which must be the oldest submitted."""
@@ -346,11 +349,17 @@ class ProcessReaders:
                     checks_size, total = struct.unpack("qq", message)
                     if checks_size >= 0:  # -1: the worker failed on this batch: read it here
                         return _unpack(ancillary, checks_size, total)
-                else:  # the worker died: read its batches here from now on
-                    self._alive[w] = False
+                else:
+                    self._lost(w)
             except OSError:
-                self._alive[w] = False
+                self._lost(w)
         return read_all(self._chunk(k), self.max_pixels)
+
+    def _lost(self, w: int) -> None:
+        """Worker w died: its batches are read here from now on (slower, never lost)."""
+        self._alive[w] = False
+        log.warning("file reader process %d (pid %d) ended with code %s; its batches are read in this process",
+                    w, self._workers[w].pid, self._workers[w].poll())
 
     def close(self) -> None:
         for s in self._sockets:

@@ -81,7 +81,7 @@ def test_reading_in_processes_gives_what_threads_give(tmp_path, processes):
     assert good and all(i.data.dtype == np.uint8 and not i.data.flags.writeable for i in good)
 
 
-def test_a_dead_reader_process_loses_no_image(tmp_path):
+def test_a_dead_reader_process_loses_no_image(tmp_path, caplog):
     refs = _mixed_refs(tmp_path)
     expected = _as_comparable(read_all_batches([refs[k:k + 2] for k in range(0, len(refs), 2)]))
     with ProcessReaders(refs, 1, batch_size=2) as readers:
@@ -95,6 +95,7 @@ def test_a_dead_reader_process_loses_no_image(tmp_path):
         got += [readers.result(k) for k in range(1, len(expected))]
         assert readers._alive == [False]
     assert _as_comparable(got) == expected
+    assert "file reader process 0" in caplog.text and "read in this process" in caplog.text
 
 
 def test_a_reader_process_that_fails_on_a_batch_hands_it_back():
