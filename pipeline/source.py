@@ -324,6 +324,9 @@ class ProcessReaders:
                 there.close()
                 self._sockets.append(here)
                 self._alive.append(True)
+        except BaseException:
+            self.close()  # the workers already started
+            raise
         finally:
             os.close(table)
 
