@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import glob as globlib
+import json
 import logging
 import mmap
 import os
@@ -300,8 +301,9 @@ class ProcessReaders:
     file, and no copy of a file's bytes here. A worker that dies (or fails on a batch) costs no
     image: its batches are read here, in order.
 
-    Workers are fresh interpreters that import this module only (not multiprocessing's children,
-    which re-run the caller's main script), given the paths once, in a memfd. Linux only."""
+    Workers are fresh interpreters on this process's sys.path that import this module only (not
+    multiprocessing's children, which re-run the caller's main script), given the paths once, in a
+    memfd. Linux only."""
 
     @staticmethod
     def available() -> bool:
@@ -309,8 +311,9 @@ class ProcessReaders:
 
     def __init__(self, refs: Sequence[ImageRef], count: int, *, batch_size: int, max_pixels: int = 0):
         self.refs, self.batch_size, self.max_pixels = refs, batch_size, max_pixels
-        package_root = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        # The workers import exactly what this process imports: its sys.path, not the one `python -c`
+        # would make (that puts the working directory first, where any folder named `pipeline` wins).
+        env = dict(os.environ, GPUDET_SYS_PATH=json.dumps(sys.path))
         table = _memfd(_pack_refs(refs, max_pixels))
         self._sockets: list[socket.socket] = []
         self._workers: list[subprocess.Popen] = []
@@ -318,7 +321,8 @@ class ProcessReaders:
         try:
             for _ in range(count):
                 here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                code = f"from {__name__} import _read_worker; _read_worker({there.fileno()}, {table})"
+                code = ("import json, os, sys; sys.path[:] = json.loads(os.environ['GPUDET_SYS_PATH']); "
+                        f"from {__name__} import _read_worker; _read_worker({there.fileno()}, {table})")
                 self._workers.append(subprocess.Popen([sys.executable, "-c", code], pass_fds=[there.fileno(), table],
                                                       env=env, stdin=subprocess.DEVNULL))
                 there.close()

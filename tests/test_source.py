@@ -81,6 +81,19 @@ def test_reading_in_processes_gives_what_threads_give(tmp_path, processes):
     assert good and all(i.data.dtype == np.uint8 and not i.data.flags.writeable for i in good)
 
 
+def test_reader_processes_import_this_pipeline_wherever_they_start(tmp_path, monkeypatch):
+    (tmp_path / "pipeline").mkdir()  # another project's package of the same name, in the working directory
+    (tmp_path / "pipeline" / "__init__.py").write_text("raise ImportError('the wrong pipeline')\n")
+    monkeypatch.chdir(tmp_path)
+    refs = [ImageRef(k, str(SAMPLES / "china.jpg")) for k in range(3)]
+    with ProcessReaders(refs, 2, batch_size=2) as readers:
+        readers.submit(0)
+        readers.submit(1)
+        got = [readers.result(0), readers.result(1)]
+        assert readers._alive == [True, True]
+    assert _as_comparable(got) == _as_comparable(read_all_batches([refs[:2], refs[2:]]))
+
+
 def test_a_dead_reader_process_loses_no_image(tmp_path, caplog):
     refs = _mixed_refs(tmp_path)
     expected = _as_comparable(read_all_batches([refs[k:k + 2] for k in range(0, len(refs), 2)]))
