@@ -355,7 +355,7 @@ class ProcessReaders:
                 if len(message) == 16:
                     checks_size, total = struct.unpack("qq", message)
                     if checks_size >= 0:  # -1: the worker failed on this batch: read it here
-                        return _unpack(ancillary, checks_size, total)
+                        return _unpack(self._chunk(k), ancillary, checks_size, total)
                 else:
                     self._lost(w)
             except OSError:
@@ -419,22 +419,22 @@ def _memfd(data: bytes) -> int:
     return fd
 
 
-def _unpack(ancillary: list, checks_size: int, total: int) -> list[EncodedImage | ImageError]:
-    """A worker's batch: its memfd (in `ancillary`) holds the pickled checks, per image an
-    ImageError or (ref, size), then the images' bytes in order."""
+def _unpack(refs: Sequence[ImageRef], ancillary: list, checks_size: int, total: int
+            ) -> list[EncodedImage | ImageError]:
+    """A worker's batch of `refs`: its memfd (in `ancillary`) holds the pickled checks, per image
+    an ImageError or the size of its bytes, then those bytes in order."""
     fd = array.array("i", ancillary[0][2])[0]
     try:
         data = np.frombuffer(mmap.mmap(fd, total, prot=mmap.PROT_READ), dtype=np.uint8)
     finally:
         os.close(fd)
     items, offset = [], checks_size
-    for check in pickle.loads(data[:checks_size]):
+    for ref, check in zip(refs, pickle.loads(data[:checks_size]), strict=True):
         if isinstance(check, ImageError):
             items.append(check)
         else:
-            ref, size = check
-            items.append(EncodedImage(ref, data[offset:offset + size]))
-            offset += size
+            items.append(EncodedImage(ref, data[offset:offset + check]))
+            offset += check
     return items
 
 
@@ -454,8 +454,8 @@ def _read_worker(fd: int, table: int) -> None:
         reply = -1
         try:
             items = read_all([refs[i] for i in range(first, first + count)], refs.max_pixels)
-            checks = pickle.dumps([(i.ref, len(i.data)) if isinstance(i, EncodedImage) else i for i in items],
-                                  protocol=5)
+            # The parent has the refs: per image only the size of its bytes, or its error
+            checks = pickle.dumps([len(i.data) if isinstance(i, EncodedImage) else i for i in items], protocol=5)
             total = len(checks) + sum(len(i.data) for i in items if isinstance(i, EncodedImage))
             reply = os.memfd_create("gpudet-read")
             os.ftruncate(reply, total)
