@@ -79,7 +79,10 @@ def letterbox_graph(encoded, *, decode_device: str, height: int, width: int, res
 @pipeline_def
 def _file_bytes_pipeline(decode_device: str, graph_args: dict):
     """Encoded bytes and each image's index fed from Python; the index comes back with the batch."""
-    encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
+    # no_copy: DALI reads the files' bytes where they are, and Preprocessor keeps each batch (its
+    # in_flight) until the outputs of its run are taken. Copying them cost the feeding thread 572
+    # against 187 us per batch of 32 files (3.2 MB) on a 2-core CPU machine, DALI 2.4.
+    encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1, no_copy=True)
     index = fn.external_source(name="index", dtype=types.INT64, ndim=0)
     images, original_shape, resized_shape = letterbox_graph(encoded, decode_device=decode_device, **graph_args)
     return images, original_shape, resized_shape, index
