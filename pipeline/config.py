@@ -99,6 +99,11 @@ class RunConfig:
     prefetch_batches: int = 2
     """Batches DALI preprocesses ahead of the one the engine takes (each one more holds a batch
     of encoded and decoded images and its model input in memory)."""
+    pipeline_depth: int = 2
+    """Batches past DALI at once, from the model to the writer, each with its own set of the
+    model's output buffers (and, with cuda_graph, its own input buffer and captured graph). 2:
+    the postprocess of one batch overlaps the model on the next; 3: the model may also run a batch
+    further ahead while the main loop waits on DALI and writes (on a GPU; the CPU runs inline)."""
     gpu_mem_limit_mb: int = 0
     """Cap on ONNX Runtime's CUDA memory arena, in MiB (0: no cap). DALI's buffers are separate."""
     prefer_nhwc: bool = False
@@ -167,6 +172,8 @@ class Config:
         need(self.run.num_threads > 0, "run.num_threads", "must be > 0")
         need(self.run.read_processes >= 0, "run.read_processes", "must be >= 0 (0: threads)")
         need(self.run.prefetch_batches > 0, "run.prefetch_batches", "must be > 0")
+        need(self.run.pipeline_depth >= 2, "run.pipeline_depth", "must be >= 2 (the postprocess of one batch "
+             "overlaps the model on the next)")
         need(self.run.gpu_mem_limit_mb >= 0, "run.gpu_mem_limit_mb", "must be >= 0 (0: no cap)")
         need(self.run.prefer_nhwc or not self.run.fuse_conv_bias, "run.fuse_conv_bias",
              "needs run.prefer_nhwc: true (on the H200 cuDNN had no fused kernel for RetinaNet's NCHW "

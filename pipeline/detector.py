@@ -94,7 +94,8 @@ def engine_args(config: Config) -> dict:
     return dict(scalars={"score_threshold": p.score_threshold, "iou_threshold": p.iou_threshold,
                          "max_detections": p.max_detections},
                 input_size_hw=tuple(config.preprocess.size), cuda_options=cuda_options,
-                batch_size=config.run.batch_size if config.run.cuda_graph else None, cuda_graph=config.run.cuda_graph)
+                batch_size=config.run.batch_size if config.run.cuda_graph else None, cuda_graph=config.run.cuda_graph,
+                slots=config.run.pipeline_depth)
 
 
 def preprocessor_args(config: Config, image_input: ImageInput, device: Device) -> dict:
@@ -355,7 +356,7 @@ class Detector:
         launching its kernels one by one)."""
         n = self.model_batch
         postprocess = self._postprocess(on_device=False)
-        for slot in (0, 1):
+        for slot in range(self.engine.slots):
             outputs = self.engine.run(self.engine.zero_batch(n, size_hw), slot=slot)
             postprocess(outputs, np.ones((n, 2), np.float32), np.zeros((n, 2), np.float32),
                         np.tile(np.array(size_hw, np.int64), (n, 1)), 0)
@@ -364,8 +365,8 @@ class Detector:
                reader: Future | None = None):
         """The engine on one batch into the output buffers `slot`, halving the model batch on GPU
         out-of-memory; returns the function that postprocesses it. reader: the postprocess still
-        reading that slot's buffers (two batches back), waited for first (its errors are raised
-        where its own result is taken). Clock: "engine" is this thread's time (queueing the
+        reading that slot's buffers (run.pipeline_depth batches back), waited for first (its errors
+        are raised where its own result is taken). Clock: "engine" is this thread's time (queueing the
         model), "engine_gpu" the span of the run's events on the engine's stream (its kernels, and any
         wait there for the host to queue the rest), counted once the postprocess is done."""
         if reader is not None:
@@ -416,9 +417,10 @@ class Detector:
         # On a GPU three threads overlap: this one takes batches from DALI and hands finished ones
         # to the caller (who writes them), the engine thread runs the model (ORT releases the GIL
         # for the whole run), the postprocess thread decodes and NMS's (torch, CUDA graphs). The
-        # engine fills two sets of output buffers in turn (slots): before it writes a slot it waits
-        # for the postprocess still reading it, two batches back. On the CPU each task runs inline,
-        # in order: ORT's threads already use every core.
+        # engine fills run.pipeline_depth sets of output buffers in turn (slots): before it writes a
+        # slot it waits for the postprocess still reading it, that many batches back; this thread
+        # hands a batch on once that many are in flight. On the CPU each task runs inline, in
+        # order: ORT's threads already use every core.
         pending: deque[tuple[PreprocessedBatch, Future]] = deque()
         reading: dict[int, Future] = {}  # slot -> the postprocess reading its buffers
         engine = self.engine if self.overlap else Inline()  # the engine's own thread (Engine.submit)
@@ -428,11 +430,11 @@ class Detector:
             batches = clock.timed(preprocess_stream(self.preprocessor, checked_batches(), on_error,
                                                     depth=config.run.prefetch_batches), "preprocess")
             for i, batch in enumerate(batches):
-                slot = i % 2
+                slot = i % self.engine.slots
                 ran = engine.submit(self._infer, batch, postprocess, clock, slot, reading.get(slot))  # engine
                 reading[slot] = post.submit(lambda ran=ran: ran.result()())  # postprocess, after its engine run
                 pending.append((batch, reading[slot]))
-                if len(pending) == 2:
+                if len(pending) == self.engine.slots:
                     yield finished(*pending.popleft())
             while pending:
                 yield finished(*pending.popleft())

@@ -5,8 +5,8 @@ copy, no device copy). Scalar postprocess inputs some models declare (`score_thr
 `iou_threshold`, `max_detections`) are bound once, on the host, where ORT's kernels read them.
 
 Outputs: an output whose shape is known once the batch size is known is bound to a preallocated
-torch buffer on the device, two per batch size ("slots": the caller postprocesses one while the
-engine fills the other), reused across batches. Any other output (for
+torch buffer on the device, `slots` per batch size (two by default: the caller postprocesses one
+while the engine fills the other), reused across batches. Any other output (for
 example the dynamic N of in-graph NMS) is bound by device only; ORT allocates it on the device
 and `torch.from_dlpack` reads it there. `OrtValue.numpy()` is never called on this path: on a
 CUDA OrtValue it is a device-to-host copy.
@@ -138,7 +138,7 @@ class Engine:
 
     def __init__(self, model_path: str | Path, *, device: Device, scalars: dict[str, float | int],
                  input_size_hw: tuple[int, int] | None = None, batch_size: int | None = None,
-                 cuda_options: dict[str, str] | None = None, cuda_graph: bool = False):
+                 cuda_options: dict[str, str] | None = None, cuda_graph: bool = False, slots: int = 2):
         """input_size_hw: for a model whose image input has symbolic height/width, fix them (ORT
         free-dimension overrides) so shape arithmetic folds into constants at load time instead of
         running on the host each batch (Memcpy nodes on the CUDA EP). batch_size: the same for a
@@ -148,7 +148,10 @@ class Engine:
         them (`enable_cuda_graph`, one `gpu_graph_id` per slot). A graph replays on the addresses
         it was captured with, so each slot also gets its own input buffer, and run() copies the
         batch into it (one device-to-device copy). Needs static shapes: batch_size (or a static
-        batch in the model) and outputs whose shape the batch size decides."""
+        batch in the model) and outputs whose shape the batch size decides.
+
+        slots: the sets of output buffers the caller fills in turn (run.pipeline_depth); with
+        cuda_graph each is captured at warm-up."""
         self.model_path = Path(model_path)
         self.device = device
         self.stream = torch.cuda.Stream(device.torch) if device.is_cuda else None
@@ -157,6 +160,7 @@ class Engine:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="gpudet-engine")
         self._thread = self._executor.submit(threading.current_thread).result()
         self.cuda_options = cuda_options or {}
+        self.slots = slots
         check_external_data(self.model_path)
         # A first, unoptimized CPU session only reads the inputs (it is cheap; the real session
         # depends on them through the dimension overrides).
@@ -257,7 +261,8 @@ class Engine:
 
     def static_buffers(self, batch_size: int, slot: int = 0) -> dict[str, torch.Tensor]:
         """Preallocated device buffers for the outputs whose shape is known, per batch size and
-        slot (two slots let one batch be postprocessed while the next is computed)."""
+        slot (two slots let one batch be postprocessed while the next is computed, a third lets the
+        model run one batch further ahead)."""
         key = (batch_size, slot)
         if key not in self._static_buffers:
             buffers = {}
@@ -278,10 +283,10 @@ class Engine:
         if not self.device.is_cuda:
             return
         zeros = self.zero_batch(batch_size, size_hw)
-        # With cuda_graph, ORT runs a few times before it captures: capture both slots' graphs here,
+        # With cuda_graph, ORT runs a few times before it captures: capture every slot's graph here,
         # while nothing else runs on the GPU (a capture in the middle of the pipeline would meet
         # the postprocess thread's CUDA calls).
-        for slot in (0, 1) if self.cuda_graph else (0,):
+        for slot in range(self.slots) if self.cuda_graph else (0,):
             for _ in range(4 if self.cuda_graph else 1):
                 self.run(zeros, slot=slot)
 

@@ -28,6 +28,7 @@ def test_default_config_is_the_embedded_retinaface():
     ("run:\n  gil_switch_interval_ms: 0\n", "run.gil_switch_interval_ms"),
     ("run:\n  prefetch_batches: 0\n", "run.prefetch_batches"),
     ("run:\n  read_processes: -1\n", "run.read_processes"),
+    ("run:\n  pipeline_depth: 1\n", "run.pipeline_depth"),
     ("preprocess:\n  hw_decoder_load: 1.5\n", "preprocess.hw_decoder_load"),
     ("run: 3\n", "'run'"),
     ("- a\n- b\n", "top level"),

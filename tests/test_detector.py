@@ -108,11 +108,12 @@ def test_gpu_out_of_memory_halves_the_model_batch_and_finishes(tmp_path):
     pytest.fail(f"no memory limit made the model batch shrink and finish: {outcomes}")
 
 
-def test_engine_and_postprocess_on_threads_give_the_inline_results(tmp_path):
-    """The GPU's stream (engine and postprocess each on a thread, two output slots, a slot reused
-    only after its postprocess finished), run here on the CPU's ORT: the same batches, in order,
-    with the same detections as the inline path, around a bad image, with more batches than slots;
-    the engine's time is counted from its thread."""
+@pytest.mark.parametrize("depth", [2, 3])
+def test_engine_and_postprocess_on_threads_give_the_inline_results(tmp_path, depth):
+    """The GPU's stream (engine and postprocess each on a thread, run.pipeline_depth output slots,
+    a slot reused only after its postprocess finished), run here on the CPU's ORT: the same
+    batches, in order, with the same detections as the inline path, around a bad image, with more
+    batches than slots, every slot used; the engine's time is counted from its thread."""
     from pipeline import Detector
     from pipeline.detector import StageClock
     from pipeline.source import list_images
@@ -121,16 +122,20 @@ def test_engine_and_postprocess_on_threads_give_the_inline_results(tmp_path):
     listed = list_images(SAMPLES) * 3 + [ImageRef(0, str(tmp_path / "bad.jpg"))] + list_images(SAMPLES)
     refs = [ImageRef(i, r.path) for i, r in enumerate(listed)]
 
-    def run(overlap: bool):
+    def run(overlap: bool, depth: int = 2):
         detector = Detector.from_config(SAMPLES.parent / "configs" / "retinaface_mnet025_heads.yaml", device="cpu",
-                                        batch_size=4, overrides=["postprocess.score_threshold=0.5"])
+                                        batch_size=4, overrides=["postprocess.score_threshold=0.5",
+                                                                 f"run.pipeline_depth={depth}"])
         detector.overlap = overlap
+        launch, slots = detector.engine.launch, set()
+        detector.engine.launch = lambda images, slot=0, **kw: (slots.add(slot), launch(images, slot, **kw))[1]
         clock, errors = StageClock(), []
         out = [([r.index for r in b.refs], found) for b, found in detector.stream(refs, errors.extend, clock=clock)]
-        return out, errors, clock
+        return out, errors, clock, slots
 
-    inline, inline_errors, _ = run(False)
-    threaded, threaded_errors, clock = run(True)
+    inline, inline_errors, _, _ = run(False)
+    threaded, threaded_errors, clock, slots = run(True, depth)
+    assert slots == set(range(depth))
     assert [i for i, _ in threaded] == [i for i, _ in inline] and len(threaded) >= 6
     for (_, a), (_, b) in zip(inline, threaded):
         assert a.batch_index.tolist() == b.batch_index.tolist() and np.array_equal(a.boxes_xyxy, b.boxes_xyxy)

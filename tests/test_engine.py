@@ -222,7 +222,8 @@ def test_ort_cuda_graph_replays_per_slot_on_each_new_batch(heads_model):
 
 @pytest.mark.cuda
 def test_detect_with_ort_cuda_graph_finds_the_same(tmp_path):
-    """The RetinaFace heads config with run.cuda_graph=true: the same detections as without."""
+    """The RetinaFace heads config with run.cuda_graph=true: the same detections as without, also
+    with three output slots (three captured graphs, the model a batch further ahead)."""
     from pipeline import Detector
 
     def found(*overrides):
@@ -232,9 +233,10 @@ def test_detect_with_ort_cuda_graph_finds_the_same(tmp_path):
         assert detector.ssd_heads.graphs.enabled  # the postprocess replayed its own CUDA graphs too
         return detections
 
-    a, b = found(), found("run.cuda_graph=true")
-    assert a.batch_index.tolist() == b.batch_index.tolist() and len(a.scores) >= 6
-    assert np.allclose(a.scores, b.scores, atol=1e-4) and np.allclose(a.boxes_xyxy, b.boxes_xyxy, atol=0.05)
+    a = found()
+    for b in found("run.cuda_graph=true"), found("run.cuda_graph=true", "run.pipeline_depth=3"):
+        assert a.batch_index.tolist() == b.batch_index.tolist() and len(a.scores) >= 6
+        assert np.allclose(a.scores, b.scores, atol=1e-4) and np.allclose(a.boxes_xyxy, b.boxes_xyxy, atol=0.05)
 
 
 def test_launch_on_the_cpu_is_a_complete_run(heads_model):
