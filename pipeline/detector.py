@@ -144,26 +144,36 @@ def preprocess_stream(preprocessor: Preprocessor, batches: Iterable[list[Encoded
     When DALI fails on a batch, the batches submitted after it are submitted again and the
     failed one is retried in halves until only the images that fail alone are left; those are
     reported as decode_failed. Every good image comes out exactly once.
+
+    A consumer that stops early leaves no batch in DALI: those in flight are taken and dropped
+    here (the preprocessor's next stream would otherwise get them first).
     """
     retry: deque[list[EncodedImage]] = deque()
     source = iter(batches)
-    while True:
-        while len(preprocessor.in_flight) < depth:
-            batch = retry.popleft() if retry else next(source, None)
-            if batch is None:
-                break
-            if batch:
-                preprocessor.submit(batch)
-        if not preprocessor.in_flight:
-            return
-        try:
-            yield preprocessor.result()
-        except PreprocessFailure as failure:
-            retry.extendleft(reversed(failure.unfinished))
-            if len(failure.failed) == 1:
-                on_error([decode_failed(failure.failed[0], failure.cause)])
-            else:
-                yield from isolate(preprocessor, failure.failed, on_error)
+    try:
+        while True:
+            while len(preprocessor.in_flight) < depth:
+                batch = retry.popleft() if retry else next(source, None)
+                if batch is None:
+                    break
+                if batch:
+                    preprocessor.submit(batch)
+            if not preprocessor.in_flight:
+                return
+            try:
+                yield preprocessor.result()
+            except PreprocessFailure as failure:
+                retry.extendleft(reversed(failure.unfinished))
+                if len(failure.failed) == 1:
+                    on_error([decode_failed(failure.failed[0], failure.cause)])
+                else:
+                    yield from isolate(preprocessor, failure.failed, on_error)
+    finally:
+        while preprocessor.in_flight:
+            try:
+                preprocessor.result()
+            except PreprocessFailure:  # DALI is rebuilt: nothing left in flight
+                pass
 
 
 class GpuOutOfMemory(RuntimeError):

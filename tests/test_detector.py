@@ -37,6 +37,21 @@ def test_every_good_image_exactly_once_around_bad_ones(device):
     assert len(done) + len(failed) <= len(kinds)
 
 
+@cpu_and_cuda()
+def test_a_stream_stopped_early_leaves_nothing_in_dali_for_the_next(device):
+    p = Preprocessor(device=Device("cuda", 0) if device == "cuda" else Device("cpu"), batch_size=2, num_threads=2,
+                     height=64, width=64, resize="letterbox", channel_order="RGB", mean=[0, 0, 0], std=[1, 1, 1],
+                     pad_value=0, dtype="float32", layout="NCHW")
+    first = [[EncodedImage(ImageRef(i, f"a{i}.jpg"), GOOD) for i in (k, k + 1)] for k in range(0, 10, 2)]
+    stopped = preprocess_stream(p, first, lambda errors: None, depth=3)
+    assert next(stopped).refs[0].path == "a0.jpg"
+    stopped.close()  # two batches were still in DALI
+    assert not p.in_flight
+    second = [[EncodedImage(ImageRef(i, f"b{i}.jpg"), GOOD) for i in (k, k + 1)] for k in range(0, 4, 2)]
+    assert [r.path for b in preprocess_stream(p, second, lambda errors: None) for r in b.refs] == \
+        ["b0.jpg", "b1.jpg", "b2.jpg", "b3.jpg"]
+
+
 def test_stage_clock_is_exclusive(monkeypatch):
     # A fake clock, so the accounting is checked exactly and a loaded machine cannot change it.
     now = [100.0]
