@@ -30,7 +30,7 @@ from .engine import Engine, ImageInput
 from .postprocess import (DeviceDetections, Detections, PackedDetections, RetinaNetHeads, SsdHeads, detect_contract,
                           end_to_end_device, image_meta)
 from .preprocess import PreprocessedBatch, PreprocessFailure, Preprocessor
-from .source import EncodedImage, ImageError, ImageRef, list_images, read_batches
+from .source import EncodedImage, ImageError, ImageRef, ProcessReaders, list_images, read_batches
 
 _END = object()
 log = logging.getLogger("gpudet")
@@ -293,6 +293,8 @@ class Detector:
         """Images per model run: run.batch_size, or less after a GPU out-of-memory."""
         self.overlap = self.device.is_cuda
         """Engine and postprocess on threads of their own (stream); on the CPU they run inline."""
+        self._readers: ProcessReaders | None = None  # run.read_processes, started by the first stream
+        self._streaming = False
         self._warm_up()
 
     @classmethod
@@ -301,6 +303,29 @@ class Detector:
         """Load a YAML config (default: the embedded RetinaFace) with optional overrides."""
         return cls(load_config(config, list(overrides) + option_overrides(model=model, device=device,
                                                                             batch_size=batch_size)))
+
+    def close(self) -> None:
+        """End the file reader processes (run.read_processes) now, not when the detector is collected."""
+        if self._readers is not None:
+            self._readers.close()
+            self._readers = None
+
+    def __enter__(self) -> Detector:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _reader_processes(self) -> ProcessReaders | None:
+        """The detector's reader processes (run.read_processes): started by the first stream and
+        kept for the next (a worker takes 0.1-0.3 s to start), so that a bench's timed pass or a
+        service calling run() per request does not pay it again. Once every one of them has died,
+        the next stream starts new ones."""
+        if self._readers is not None and not self._readers.working():
+            self.close()
+        if self._readers is None and self.config.run.read_processes > 0 and ProcessReaders.available():
+            self._readers = ProcessReaders(self.config.run.read_processes)
+        return self._readers
 
     def _postprocess(self, on_device: bool):
         p = self.config.postprocess
@@ -407,15 +432,28 @@ class Detector:
         """The data path over `refs`: yields each batch with its detections, in submission order
         (a batch retried after a decode failure comes back in parts). Every image ends either in
         a yielded batch or in `on_error`, exactly once. on_device=True yields DeviceDetections
-        (torch tensors on the device, no host copy); they are the caller's to keep."""
-        clock = clock or StageClock()
+        (torch tensors on the device, no host copy); they are the caller's to keep.
+
+        One stream at a time per detector (its DALI pipeline, output buffers and reader processes
+        serve one): a second, started before the first is finished or closed, raises."""
+        if self._streaming:
+            raise RuntimeError("this Detector is already running a stream (a run() or stream() not yet finished): "
+                               "finish or close that one first, or build a second Detector")
+        self._streaming = True
+        try:
+            yield from self._stream(refs, on_error, clock or StageClock(), on_device)
+        finally:
+            self._streaming = False
+
+    def _stream(self, refs: list[ImageRef], on_error: Callable[[list[ImageError]], None], clock: StageClock,
+                on_device: bool) -> Iterator[tuple[PreprocessedBatch, Detections | DeviceDetections]]:
         config = self.config
         postprocess = self._postprocess(on_device)
 
         def checked_batches() -> Iterator[list[EncodedImage]]:
             for items in clock.timed(read_batches(refs, batch_size=config.run.batch_size,
                                                   num_threads=config.run.num_threads,
-                                                  processes=config.run.read_processes,
+                                                  readers=self._reader_processes(),
                                                   max_pixels=config.preprocess.max_pixels), "read"):
                 on_error([i for i in items if isinstance(i, ImageError)])
                 yield [i for i in items if isinstance(i, EncodedImage)]

@@ -10,6 +10,7 @@ Python's switch interval (5 ms) when another thread is running Python.
 from __future__ import annotations
 
 import array
+import contextlib
 import glob as globlib
 import json
 import logging
@@ -21,6 +22,7 @@ import socket
 import struct
 import subprocess
 import sys
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -238,16 +240,21 @@ def read_all(refs: Sequence[ImageRef], max_pixels: int = 0) -> list[EncodedImage
 
 
 def read_batches(refs: Sequence[ImageRef], *, batch_size: int, num_threads: int, max_pixels: int = 0,
-                 lookahead: int = 2, processes: int = 0) -> Iterator[list[EncodedImage | ImageError]]:
+                 lookahead: int = 2, processes: int = 0, readers: ProcessReaders | None = None
+                 ) -> Iterator[list[EncodedImage | ImageError]]:
     """Yield batches of read-and-checked images in order, reading `lookahead` batches ahead.
 
     processes=0: num_threads threads of this process read each batch, one task per thread's share
     of consecutive files, not one per file (fewer hand-offs: on a 2-core machine one thread read
     twice as fast this way). processes>0: that many worker processes, one batch each in turn
-    (`ProcessReaders`); `lookahead` is then at least `processes`."""
-    if processes > 0 and ProcessReaders.available():
-        yield from _read_in_processes(refs, batch_size=batch_size, processes=processes, max_pixels=max_pixels,
-                                      lookahead=max(lookahead, processes))
+    (`ProcessReaders`, started here and ended with the last batch, or `readers`, already started
+    and kept); `lookahead` is then at least their count."""
+    if readers is not None or (processes > 0 and ProcessReaders.available()):
+        with contextlib.ExitStack() as stack:
+            if readers is None:
+                readers = stack.enter_context(ProcessReaders(processes))
+            yield from _read_in_processes(readers.start(refs, batch_size=batch_size, max_pixels=max_pixels),
+                                          count=-(-len(refs) // batch_size), lookahead=max(lookahead, readers.count))
         return
     chunks = [refs[i:i + batch_size] for i in range(0, len(refs), batch_size)]
     step = -(-batch_size // max(1, num_threads))
@@ -263,13 +270,11 @@ def read_batches(refs: Sequence[ImageRef], *, batch_size: int, num_threads: int,
             yield [item for f in futures for item in f.result()]
 
 
-def _read_in_processes(refs: Sequence[ImageRef], *, batch_size: int, processes: int, max_pixels: int,
-                       lookahead: int) -> Iterator[list[EncodedImage | ImageError]]:
-    count = -(-len(refs) // batch_size)
+def _read_in_processes(readers: ProcessReaders, *, count: int, lookahead: int
+                       ) -> Iterator[list[EncodedImage | ImageError]]:
     if count == 0:
         return
-    with ProcessReaders(refs, processes, batch_size=batch_size, max_pixels=max_pixels) as readers, \
-            ThreadPoolExecutor(1, thread_name_prefix="gpudet-read") as receiver:
+    with ThreadPoolExecutor(1, thread_name_prefix="gpudet-read") as receiver:
         def receive(k: int) -> list[EncodedImage | ImageError]:
             # On a thread of its own: the socket calls give up the interpreter, and taking it back
             # can wait a switch interval; the loop that takes the batches should not.
@@ -287,102 +292,151 @@ def _read_in_processes(refs: Sequence[ImageRef], *, batch_size: int, processes: 
                 if k + lookahead < count:
                     pending.append(receiver.submit(receive, k + lookahead))
                 yield items
-        finally:  # a consumer that stops early waits for one batch at most, not the whole lookahead
+        finally:  # a consumer that stops early waits for one batch at most, not the whole lookahead;
+            # the answers still owed are taken by the readers' next start (or dropped with them)
             receiver.shutdown(cancel_futures=True)
 
 
 class ProcessReaders:
-    """Worker processes that read and check the files of `refs` (`read_all`), batch k (refs
-    k * batch_size onwards) on worker k % count.
+    """Worker processes that read and check files (`read_all`): after `start(refs, ...)`, batch k
+    (refs k * batch_size onwards) on worker k % count. Started once, they serve any number of
+    lists in turn (a worker takes ~0.1-0.3 s to start: an interpreter, numpy), one at a time.
 
-    Per batch this process sends 16 bytes and takes back one anonymous memory file (memfd): the
-    batch's checks, pickled, then its files' bytes. Each image's `data` is a view of that mapping,
-    which lives as long as any of them: four system calls per batch instead of three or more per
-    file, and no copy of a file's bytes here. A worker that dies (or fails on a batch) costs no
-    image: its batches are read here, in order.
+    Per list each worker is handed the paths once, in an anonymous memory file (memfd). Per batch
+    this process sends 16 bytes and takes back one memfd: the batch's checks, pickled, then its
+    files' bytes. Each image's `data` is a view of that mapping, which lives as long as any of
+    them: four system calls per batch instead of three or more per file, and no copy of a file's
+    bytes here. A worker that dies (or fails on a batch) costs no image: its batches are read
+    here, in order, from then on.
 
     Workers are fresh interpreters on this process's sys.path that import this module only (not
-    multiprocessing's children, which re-run the caller's main script), given the paths once, in a
-    memfd. Linux only."""
+    multiprocessing's children, which re-run the caller's main script); they end when this object
+    is closed or collected, or when this process ends. Linux only."""
 
     @staticmethod
     def available() -> bool:
         return hasattr(os, "memfd_create")
 
-    def __init__(self, refs: Sequence[ImageRef], count: int, *, batch_size: int, max_pixels: int = 0):
-        self.refs, self.batch_size, self.max_pixels = refs, batch_size, max_pixels
+    def __init__(self, count: int):
+        self.count = count
+        self.refs: Sequence[ImageRef] = ()
+        self.batch_size, self.max_pixels = 1, 0
         # The workers import exactly what this process imports: its sys.path, not the one `python -c`
         # would make (that puts the working directory first, where any folder named `pipeline` wins).
         env = dict(os.environ, GPUDET_SYS_PATH=json.dumps(sys.path))
-        table = _memfd(_pack_refs(refs, max_pixels))
         self._sockets: list[socket.socket] = []
         self._workers: list[subprocess.Popen] = []
-        self._alive: list[bool] = []
+        self.alive: list[bool] = []  # per worker: False once it died (its batches are read here)
+        self._owed: list[int] = []  # per worker: batches asked of it and not yet answered
+        self._close = weakref.finalize(self, _end_workers, self._sockets, self._workers)
         try:
             for _ in range(count):
                 here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 code = ("import json, os, sys; sys.path[:] = json.loads(os.environ['GPUDET_SYS_PATH']); "
-                        f"from {__name__} import _read_worker; _read_worker({there.fileno()}, {table})")
-                self._workers.append(subprocess.Popen([sys.executable, "-c", code], pass_fds=[there.fileno(), table],
+                        f"from {__name__} import _read_worker; _read_worker({there.fileno()})")
+                self._workers.append(subprocess.Popen([sys.executable, "-c", code], pass_fds=[there.fileno()],
                                                       env=env, stdin=subprocess.DEVNULL))
                 there.close()
                 self._sockets.append(here)
-                self._alive.append(True)
+                self.alive.append(True)
+                self._owed.append(0)
         except BaseException:
             self.close()  # the workers already started
             raise
+
+    def start(self, refs: Sequence[ImageRef], *, batch_size: int, max_pixels: int = 0) -> ProcessReaders:
+        """Serve `refs` from now on: answers still owed for the last list (a consumer that stopped
+        early) are taken and dropped, then each worker is handed the paths."""
+        for w in range(self.count):
+            while self.alive[w] and self._owed[w]:
+                answer = self._receive(w)
+                for fd in _fds(answer[2] if answer else []):
+                    os.close(fd)
+        self.refs, self.batch_size, self.max_pixels = refs, batch_size, max_pixels
+        table = _memfd(_pack_refs(refs, max_pixels))
+        try:
+            for w, conn in enumerate(self._sockets):
+                if self.alive[w]:
+                    try:
+                        conn.sendmsg([struct.pack("qq", -1, 0)],
+                                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [table]))])
+                    except OSError:
+                        self._lost(w)
         finally:
             os.close(table)
+        return self
+
+    def working(self) -> bool:
+        """Whether any worker is alive (one that died is noticed here, or when it does not answer)."""
+        for w, worker in enumerate(self._workers):
+            if self.alive[w] and worker.poll() is not None:
+                self._lost(w)
+        return any(self.alive)
 
     def _chunk(self, k: int) -> Sequence[ImageRef]:
         return self.refs[k * self.batch_size:(k + 1) * self.batch_size]
 
     def submit(self, k: int) -> None:
         """Ask worker k % count for batch k (a dead worker's batches are read in `result`)."""
-        w = k % len(self._sockets)
-        if self._alive[w]:
+        w = k % self.count
+        if self.alive[w]:
             try:
                 self._sockets[w].send(struct.pack("qq", k * self.batch_size, len(self._chunk(k))))
+                self._owed[w] += 1
             except OSError:
                 self._lost(w)
 
     def result(self, k: int) -> list[EncodedImage | ImageError]:
         """Batch k, which must be the oldest submitted."""
-        w = k % len(self._sockets)
-        if self._alive[w]:
-            try:
-                message, ancillary, _, _ = self._sockets[w].recvmsg(16, socket.CMSG_SPACE(4))
-                if len(message) == 16:
-                    checks_size, total = struct.unpack("qq", message)
-                    if checks_size >= 0:  # -1: the worker failed on this batch: read it here
-                        return _unpack(self._chunk(k), ancillary, checks_size, total)
-                else:
-                    self._lost(w)
-            except OSError:
-                self._lost(w)
+        w = k % self.count
+        if self.alive[w]:
+            answer = self._receive(w)
+            if answer is not None:
+                checks_size, total, ancillary = answer
+                if checks_size >= 0:  # -1: the worker failed on this batch: read it here
+                    return _unpack(self._chunk(k), ancillary, checks_size, total)
         return read_all(self._chunk(k), self.max_pixels)
+
+    def _receive(self, w: int) -> tuple[int, int, list] | None:
+        """Worker w's next answer: (checks size, total size, the memfd's ancillary data), or None
+        if the worker is gone (then marked lost). An answer nobody takes is closed with its list."""
+        try:
+            message, ancillary, _, _ = self._sockets[w].recvmsg(16, socket.CMSG_SPACE(4))
+        except OSError:
+            message = b""
+        if len(message) != 16:
+            self._lost(w)
+            return None
+        self._owed[w] -= 1
+        checks_size, total = struct.unpack("qq", message)
+        return checks_size, total, ancillary
 
     def _lost(self, w: int) -> None:
         """Worker w died: its batches are read here from now on (slower, never lost)."""
-        self._alive[w] = False
+        self.alive[w] = False
+        self._owed[w] = 0
         log.warning("file reader process %d (pid %d) ended with code %s; its batches are read in this process",
                     w, self._workers[w].pid, self._workers[w].poll())
 
     def close(self) -> None:
-        for s in self._sockets:
-            s.close()  # the worker's recv ends: it exits
-        for worker in self._workers:
-            try:
-                worker.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
+        self._close()
 
     def __enter__(self) -> ProcessReaders:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _end_workers(sockets: list[socket.socket], workers: list[subprocess.Popen]) -> None:
+    for s in sockets:
+        s.close()  # the worker's recv ends: it exits
+    for worker in workers:
+        try:
+            worker.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
 
 
 def _pack_refs(refs: Sequence[ImageRef], max_pixels: int) -> bytes:
@@ -423,7 +477,7 @@ def _unpack(refs: Sequence[ImageRef], ancillary: list, checks_size: int, total: 
             ) -> list[EncodedImage | ImageError]:
     """A worker's batch of `refs`: its memfd (in `ancillary`) holds the pickled checks, per image
     an ImageError or the size of its bytes, then those bytes in order."""
-    fd = array.array("i", ancillary[0][2])[0]
+    fd, = _fds(ancillary)
     try:
         data = np.frombuffer(mmap.mmap(fd, total, prot=mmap.PROT_READ), dtype=np.uint8)
     finally:
@@ -438,21 +492,34 @@ def _unpack(refs: Sequence[ImageRef], ancillary: list, checks_size: int, total: 
     return items
 
 
-def _read_worker(fd: int, table: int) -> None:
-    """A ProcessReaders worker on SOCK_SEQPACKET socket `fd`; `table` is a memfd of _pack_refs.
-    Per request (first, count), read_all of those refs and answer (checks size, total size) with
-    a memfd of both (see _unpack); (-1, 0) if it failed. Returns when the parent closes the socket."""
+def _fds(ancillary: list) -> list[int]:
+    """The file descriptors of recvmsg's ancillary data (SCM_RIGHTS)."""
+    return [fd for level, kind, data in ancillary if (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS)
+            for fd in array.array("i", data[:len(data) - len(data) % 4])]
+
+
+def _read_worker(fd: int) -> None:
+    """A ProcessReaders worker on SOCK_SEQPACKET socket `fd`. Request (-1, 0) with a memfd of
+    _pack_refs: the list to serve from now on. Request (first, count): read_all of those refs of
+    the list, answered (checks size, total size) with a memfd of both (see _unpack), or (-1, 0) if
+    that failed. Returns when the parent closes the socket."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes us
     conn = socket.socket(fileno=fd)
-    refs = _PackedRefs(mmap.mmap(table, 0, prot=mmap.PROT_READ))  # mapped, not read: the workers share its offset
-    os.close(table)
+    refs: _PackedRefs | None = None
     while True:
-        request = conn.recv(16)
+        request, ancillary, _, _ = conn.recvmsg(16, socket.CMSG_SPACE(4))
         if len(request) != 16:
             return
         first, count = struct.unpack("qq", request)
+        if first < 0:
+            table, = _fds(ancillary)
+            refs = _PackedRefs(mmap.mmap(table, 0, prot=mmap.PROT_READ))  # mapped, not read: shared by the workers
+            os.close(table)
+            continue
         reply = -1
         try:
+            if refs is None:
+                raise RuntimeError("a batch asked before any list")
             items = read_all([refs[i] for i in range(first, first + count)], refs.max_pixels)
             # The parent has the refs: per image only the size of its bytes, or its error
             checks = pickle.dumps([len(i.data) if isinstance(i, EncodedImage) else i for i in items], protocol=5)

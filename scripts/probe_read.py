@@ -4,8 +4,10 @@ feeding and the JSON encoding).
 
 A thread that reads a file gives up the interpreter for each open and read, and then waits to
 take it back: up to Python's switch interval (5 ms) while another thread is running Python.
-Worker processes (`run.read_processes`) read outside this interpreter. Every image of SOURCE is
-read --rounds times in one pass per setting, after one warm pass (the page cache). Usage:
+Worker processes (`run.read_processes`) read outside this interpreter: started for the pass, or
+already started and kept from an earlier list, as a Detector keeps them ("kept": the first batch
+then shows no start-up). Every image of SOURCE is read --rounds times in one pass per setting,
+after one warm pass (the page cache). Usage:
     python scripts/probe_read.py SOURCE [--threads 4] [--processes 1 2] [--batch-size 32]
         [--rounds 2] [--switch-ms 5] [--json OUT]
 """
@@ -17,9 +19,9 @@ import json
 import sys
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 
-from pipeline.source import ImageRef, list_images, read_batches
+from pipeline.source import ImageRef, ProcessReaders, list_images, read_batches
 
 # A record as the RetinaFace configs write it: three faces with landmarks.
 RECORD = {"index": 1, "path": "/data/images/000001.jpg", "width": 1024, "height": 768, "detections": [
@@ -47,13 +49,15 @@ class BusyInterpreter:
         self._thread.join()
 
 
-def images_per_s(refs, *, batch_size: int, threads: int, processes: int) -> tuple[float, float]:
+def images_per_s(refs, *, batch_size: int, threads: int, processes: int,
+                 readers: ProcessReaders | None = None) -> tuple[float, float]:
     """(images read and checked per second after the first batch, seconds to the first batch:
-    the worker processes' start-up)."""
+    the worker processes' start-up, unless `readers` were started before)."""
     start = time.perf_counter()
     first = None
     count = 0
-    for batch in read_batches(refs, batch_size=batch_size, num_threads=threads, processes=processes):
+    for batch in read_batches(refs, batch_size=batch_size, num_threads=threads, processes=processes,
+                              readers=readers):
         if first is None:
             first = time.perf_counter()
         else:
@@ -76,16 +80,22 @@ def main() -> None:
     listed = list_images(args.source)
     refs = [ImageRef(k, listed[k % len(listed)].path) for k in range(len(listed) * args.rounds)]
     images_per_s(listed, batch_size=args.batch_size, threads=args.threads, processes=0)  # the page cache
-    settings = [(f"{args.threads} threads", 0)] + [(f"{n} processes", n) for n in args.processes]
+    settings = [(f"{args.threads} threads", 0, False)] + \
+        [(f"{n} processes{kept}", n, bool(kept)) for n in args.processes for kept in ("", ", kept")]
     rows = []
-    for name, processes in settings:
+    for name, processes, kept in settings:
         for busy in (False, True):
-            with BusyInterpreter() if busy else nullcontext():
+            with ExitStack() as stack:
+                readers = stack.enter_context(ProcessReaders(processes)) if kept else None
+                if readers:  # started, and one list served, before the timed pass
+                    images_per_s(listed[:args.batch_size], batch_size=args.batch_size, threads=1, processes=0,
+                                 readers=readers)
+                stack.enter_context(BusyInterpreter() if busy else nullcontext())
                 rate, startup = images_per_s(refs, batch_size=args.batch_size, threads=args.threads,
-                                             processes=processes)
+                                             processes=processes, readers=readers)
             rows.append({"reader": name, "busy_thread": busy, "images_per_s": round(rate, 1),
                          "first_batch_s": round(startup, 3)})
-            print(f"{name:>12}  {'beside a busy thread' if busy else 'alone':>20}  {rate:10,.0f} img/s"
+            print(f"{name:>18}  {'beside a busy thread' if busy else 'alone':>20}  {rate:10,.0f} img/s"
                   f"  (first batch after {startup * 1000:,.0f} ms)", flush=True)
     report = {"images": len(refs), "files": len(listed), "rounds": args.rounds, "batch_size": args.batch_size,
               "switch_interval_ms": sys.getswitchinterval() * 1000, "rows": rows,

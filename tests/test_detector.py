@@ -213,3 +213,28 @@ def test_gil_switch_interval_is_set_while_streaming_and_restored_after():
     next(stream)
     stream.close()  # a caller that stops early gets its interval back too
     assert sys.getswitchinterval() == before
+
+
+def test_a_detector_keeps_its_reader_processes_and_runs_one_stream_at_a_time():
+    from pipeline import Detector
+
+    detector = Detector.from_config(SAMPLES.parent / "configs" / "retinaface_mnet025_heads.yaml", device="cpu",
+                                    batch_size=2, overrides=["run.read_processes=2"])
+    faces = [(r.path, r.scores.tolist()) for r in detector.run(str(SAMPLES))]
+    workers = list(detector._readers._workers)
+    first = detector.run(str(SAMPLES))
+    next(first)
+    with pytest.raises(RuntimeError, match="already running a stream"):
+        next(detector.run(str(SAMPLES)))  # its DALI batches and output buffers would be the first's
+    first.close()  # stopped early: the readers still owe it answers
+    assert [(r.path, r.scores.tolist()) for r in detector.run(str(SAMPLES))] == faces
+    assert detector._readers._workers == workers and all(w.poll() is None for w in workers)
+    for w in workers:  # all of them died: the next run starts new ones
+        w.kill()
+        w.wait()
+    assert [(r.path, r.scores.tolist()) for r in detector.run(str(SAMPLES))] == faces
+    assert detector._readers.alive == [True, True]
+    workers = list(detector._readers._workers)
+    with detector:
+        pass
+    assert all(w.poll() is not None for w in workers) and detector._readers is None

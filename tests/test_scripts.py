@@ -148,5 +148,6 @@ def test_probe_read_measures_threads_and_processes(tmp_path):
     report = json.loads(out.read_text())
     assert report["images"] == 20 * report["files"] and report["files"] == len(list((ROOT / "samples").glob("*.*g")))
     assert [(r["reader"], r["busy_thread"]) for r in report["rows"]] == [
-        ("2 threads", False), ("2 threads", True), ("1 processes", False), ("1 processes", True)]
+        ("2 threads", False), ("2 threads", True), ("1 processes", False), ("1 processes", True),
+        ("1 processes, kept", False), ("1 processes, kept", True)]
     assert all(r["images_per_s"] > 0 for r in report["rows"])

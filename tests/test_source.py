@@ -1,3 +1,4 @@
+import gc
 import os
 from pathlib import Path
 
@@ -86,18 +87,20 @@ def test_reader_processes_import_this_pipeline_wherever_they_start(tmp_path, mon
     (tmp_path / "pipeline" / "__init__.py").write_text("raise ImportError('the wrong pipeline')\n")
     monkeypatch.chdir(tmp_path)
     refs = [ImageRef(k, str(SAMPLES / "china.jpg")) for k in range(3)]
-    with ProcessReaders(refs, 2, batch_size=2) as readers:
+    with ProcessReaders(2) as readers:
+        readers.start(refs, batch_size=2)
         readers.submit(0)
         readers.submit(1)
         got = [readers.result(0), readers.result(1)]
-        assert readers._alive == [True, True]
+        assert readers.alive == [True, True]
     assert _as_comparable(got) == _as_comparable(read_all_batches([refs[:2], refs[2:]]))
 
 
 def test_a_dead_reader_process_loses_no_image(tmp_path, caplog):
     refs = _mixed_refs(tmp_path)
     expected = _as_comparable(read_all_batches([refs[k:k + 2] for k in range(0, len(refs), 2)]))
-    with ProcessReaders(refs, 1, batch_size=2) as readers:
+    with ProcessReaders(1) as readers:
+        readers.start(refs, batch_size=2)
         readers.submit(0)
         readers.submit(1)
         got = [readers.result(0)]
@@ -106,20 +109,21 @@ def test_a_dead_reader_process_loses_no_image(tmp_path, caplog):
         for k in range(2, len(expected)):
             readers.submit(k)
         got += [readers.result(k) for k in range(1, len(expected))]
-        assert readers._alive == [False]
+        assert readers.alive == [False]
     assert _as_comparable(got) == expected
     assert "file reader process 0" in caplog.text and "read in this process" in caplog.text
 
 
 def test_a_reader_process_that_fails_on_a_batch_hands_it_back():
     refs = [ImageRef(0, "bad\0name.jpg"), ImageRef(1, str(SAMPLES / "china.jpg"))]  # open() raises ValueError
-    with ProcessReaders(refs, 1, batch_size=1) as readers:
+    with ProcessReaders(1) as readers:
+        readers.start(refs, batch_size=1)
         readers.submit(0)
         readers.submit(1)
         with pytest.raises(ValueError, match="null"):
             readers.result(0)  # read here, where the error is the caller's
         assert _as_comparable([readers.result(1)]) == _as_comparable(read_all_batches([refs[1:]]))
-        assert readers._alive == [True]
+        assert readers.alive == [True]
 
 
 def read_all_batches(chunks):
@@ -130,9 +134,39 @@ def test_stopping_early_ends_the_reader_processes():
     refs = [ImageRef(k, str(SAMPLES / "china.jpg")) for k in range(40)]
     batches = read_batches(refs, batch_size=2, num_threads=1, lookahead=4, processes=2)
     assert next(batches)[0].ref.index == 0
-    assert len([p for p in _children() if "_read_worker" in p]) == 2
+    assert len(_reader_processes()) == 2
     batches.close()  # as a consumer that fails mid-run does
-    assert not [p for p in _children() if "_read_worker" in p]
+    assert not _reader_processes()
+
+
+def test_reader_processes_serve_list_after_list_after_a_stream_stopped_early(tmp_path):
+    refs = _mixed_refs(tmp_path)
+    threads = _as_comparable(read_batches(refs, batch_size=3, num_threads=2, max_pixels=300_000))
+    many = [ImageRef(k, str(SAMPLES / "grace_hopper.jpg")) for k in range(40)]
+    with ProcessReaders(2) as readers:
+        pids = [w.pid for w in readers._workers]
+        stopped = read_batches(many, batch_size=2, num_threads=1, lookahead=4, readers=readers)
+        assert next(stopped)[0].ref.index == 0
+        stopped.close()  # batches 1-4 were asked for: their answers must not be taken for the next list's
+        assert sum(readers._owed) > 0
+        for _ in range(2):
+            got = read_batches(refs, batch_size=3, num_threads=2, max_pixels=300_000, readers=readers)
+            assert _as_comparable(got) == threads
+        assert readers.alive == [True, True] and readers._owed == [0, 0]
+        assert [w.pid for w in readers._workers] == pids and len(_reader_processes()) == 2
+    assert not _reader_processes()
+
+
+def test_reader_processes_end_when_their_owner_is_collected():
+    readers = ProcessReaders(1)
+    assert len(_reader_processes()) == 1
+    del readers
+    gc.collect()
+    assert not _reader_processes()
+
+
+def _reader_processes() -> list[str]:
+    return [p for p in _children() if "_read_worker" in p]
 
 
 def _children() -> list[str]:
