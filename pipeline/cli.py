@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", type=int, help="images per batch")
     bench.add_argument("--limit", type=int, default=1000, help="use the first N images (default 1000)")
     bench.add_argument("--iterations", type=int, default=20, help="repeats of the model-only and DALI-only batch")
+    bench.add_argument("--passes", type=int, default=1, metavar="N",
+                       help="time gpudet N times over the images and report the median pass (default 1)")
     bench.add_argument("--skip-naive", action="store_true", help="leave out the (slow) naive baseline")
     bench.add_argument("--naive-limit", type=int, default=300, metavar="N",
                        help="run the naive baseline on the first N images (default 300)")
@@ -203,7 +205,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     overrides = args.overrides + option_overrides(device=args.device, batch_size=args.batch_size)
     report = run_bench(args.source, load_config(args.config, overrides), limit=args.limit,
                        iterations=args.iterations, skip_naive=args.skip_naive, naive_limit=args.naive_limit,
-                       latency=args.latency,
+                       latency=args.latency, passes=args.passes,
                        command=shlex.join(["gpudet", *args.argv]))
     if args.json:
         write_report(report, args.json)

@@ -327,7 +327,7 @@ def dali_alone(paths: list[str], batch: int, size_hw: tuple[int, int], workers: 
 
 
 def gpudet_runs(list_file: str, files: dict[str, Path], batch: int, log) -> dict:
-    from pipeline.bench import gpudet_images_per_s, naive_images_per_s
+    from pipeline.bench import gpudet_passes, naive_images_per_s
     from pipeline.detector import Detector
     from pipeline.source import list_images
 
@@ -336,7 +336,7 @@ def gpudet_runs(list_file: str, files: dict[str, Path], batch: int, log) -> dict
     for name in ("heads_fp16", "e2e_fp16"):
         config = load_config(CONFIG, [f"model.path={files[name]}", f"run.device={DEVICE}", f"run.batch_size={batch}"])
         detector = Detector(config)
-        rate, stages = gpudet_images_per_s(refs, detector)
+        (rate, stages), = gpudet_passes(refs, detector)
         results[f"gpudet {name}"] = {"images_per_s": round(rate, 1), "contract": detector.contract,
                                      "stages_s": stages}
         log(f"gpudet {name}: {rate:.1f} img/s, {stages}")

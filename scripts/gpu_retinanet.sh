@@ -125,7 +125,8 @@ PY
     ;;
   ab)  # the same gpudet benches on several code trees, interleaved round by round (A B A B), on one machine:
     # TREES="_ab/main _ab/branch": folders under the repository, each holding `pipeline/` from one commit
-    # (git archive COMMIT pipeline | tar -x -C _ab/NAME); RUNS as for probe; ROUNDS (default 2); DEVICE (cuda).
+    # (git archive COMMIT pipeline | tar -x -C _ab/NAME); RUNS as for probe; ROUNDS (default 2); DEVICE (cuda);
+    # PASSES (default 1): gpudet's timed passes per run, the median reported (a tree without --passes takes only 1).
     images
     R=$PWD
     for round in $(seq "${ROUNDS:-2}"); do
@@ -134,7 +135,7 @@ PY
         for run in ${RUNS:-"retinaface_mnet025_heads_fp16"}; do
           parse_run "$run"; tag=$(basename "$tree")_${tag}_$round
           (cd "$tree" && PYTHONPATH="/tmp/site:$R/$tree" $PY -m pipeline bench /tmp/imgset/jpg_abs.txt \
-            --config "$R/configs/$cfg.yaml" --device "${DEVICE:-cuda}" --limit "${LIMIT:-4000}" --skip-naive $sets \
+            --config "$R/configs/$cfg.yaml" --device "${DEVICE:-cuda}" --limit "${LIMIT:-4000}" --skip-naive $sets ${PASSES:+--passes $PASSES} \
             --json "$OUT/ab_$tag.json" 2>&1 | quiet | tail -3 >> "$OUT/ab.log")
           # One line per run as it ends, and its JSON into one archive (the device sends back at most
           # 8 files, and nothing of a run cut by a timeout but what is already in $OUT).
@@ -142,8 +143,10 @@ PY
 import json, sys
 r = json.load(open(sys.argv[1])); i, s = r["images_per_s"], r["gpudet_stages_s"]
 waits = " / ".join(f"{s.get(k, 0):.2f}" for k in ("read", "preprocess", "postprocess", "write"))
+passes = " ".join(f"{p:.0f}" for p in r.get("gpudet_passes_images_per_s", []))
 print(f"{r['date'][11:19]}  {sys.argv[1].split('/')[-1][3:-5]:<60} gpudet {i['gpudet']:8.1f}  model {i['model']:8.1f}"
-      f"  dali {i.get('preprocess', 0):8.1f}  waits read/dali/post/write {waits}  gpu {s.get('gpu_utilisation_percent')}%")
+      f"  dali {i.get('preprocess', 0):8.1f}  waits read/dali/post/write {waits}  gpu {s.get('gpu_utilisation_percent')}%"
+      + (f"  passes {passes}" if passes else ""))
 PY
           [ -f "$OUT/ab_$tag.json" ] && (cd "$OUT" && tar -rf ab_json.tar "ab_$tag.json" && rm "ab_$tag.json")
         done

@@ -141,7 +141,7 @@ def main() -> None:
     if py_spy is None:
         sys.exit("profile_host.py needs py-spy on PATH: pip install py-spy")
 
-    from pipeline.bench import gpudet_images_per_s
+    from pipeline.bench import gpudet_passes
     from pipeline.config import load_config
     from pipeline.detector import Detector
     from pipeline.source import ImageRef, list_images
@@ -149,7 +149,7 @@ def main() -> None:
     detector = Detector(load_config(args.config, args.overrides))
     listed = list_images(args.images)[:args.limit]
     refs = [ImageRef(i, r.path) for i, r in enumerate(listed * args.repeat)]
-    gpudet_images_per_s(refs[:4 * detector.config.run.batch_size], detector)  # warm-up: compile, caches
+    gpudet_passes(refs[:4 * detector.config.run.batch_size], detector)  # warm-up: compile, caches
     allow_tracing_by_children()
     report = {"config": args.config, "overrides": args.overrides, "images": len(refs),
               "device": detector.device.describe()}
@@ -158,7 +158,7 @@ def main() -> None:
         folder.mkdir(parents=True, exist_ok=True)
         for mode in ("gil", "idle"):
             (rate, stages), seconds, raw = sampled(py_spy, mode, args.rate, folder / f"pyspy_{mode}.txt",
-                                                   lambda: gpudet_images_per_s(refs, detector))
+                                                   lambda: gpudet_passes(refs, detector)[0])
             report[mode] = {"images_per_s": round(rate, 1), "stages_s": stages,
                             **summarize(parse_raw(raw), rate=args.rate, seconds=seconds, top=args.top)}
             print(f"images/s while sampled: {rate:.1f}; stages (s the loop waited): {stages}")

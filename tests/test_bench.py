@@ -32,3 +32,16 @@ def test_bench_reports_rates_ratios_and_the_machine(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "gpudet / naive" in out and "latency, batch 1, 5 images: p50" in out and "gpudet stages" in out
     assert "(first 4 images)" in out and f"from {ROOT / 'pipeline'} at {code['commit']}" in out
+
+
+def test_bench_passes_report_the_median_pass_and_list_them_all(tmp_path, capsys):
+    report_path = tmp_path / "bench.json"
+    assert main(["bench", str(SAMPLES), "--device", "cpu", "--batch-size", "4", "--limit", "6", "--iterations", "1",
+                 "--skip-naive", "--passes", "3", "--json", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    passes = report["gpudet_passes_images_per_s"]
+    assert len(passes) == 3 and all(rate > 0 for rate in passes)
+    assert report["images_per_s"]["gpudet"] == sorted(passes)[1]
+    assert report["ratios"]["gpudet / model"] == round(sorted(passes)[1] / report["images_per_s"]["model"], 3)
+    assert "gpudet passes (images/s, the median above): " + ", ".join(f"{r:.1f}" for r in passes) in \
+        capsys.readouterr().out
