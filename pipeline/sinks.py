@@ -13,9 +13,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO
 
 import numpy as np
+
+try:  # JSON lines at ~1/19 of the json module's cost (2-core machine, a batch of 32 faces: 59 vs 1,114 us)
+    import orjson
+except ImportError:  # a dependency; without it (a hand-made environment) the same records, written slower
+    orjson = None
 
 from .postprocess import Detections
 from .preprocess import PreprocessedBatch
@@ -64,6 +69,21 @@ def read_complete_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in data[:end].decode("utf-8").splitlines() if line.strip()]
 
 
+def jsonl(records: list[dict]) -> bytes:
+    """The records as JSON lines, UTF-8, compact (no spaces), one per line. This runs on the main
+    loop for every batch: the json module's float formatting was most of the loop's writing time.
+
+    A file name that is not UTF-8 (Linux allows any bytes; Python decodes them to lone surrogates)
+    cannot be written as UTF-8: that batch's lines escape every non-ASCII character instead, so
+    json.loads then os.fsencode give back the file's bytes."""
+    try:
+        if orjson is not None:
+            return b"".join(orjson.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in records)
+        return "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in records).encode()
+    except (TypeError, UnicodeEncodeError):  # orjson's "surrogates not allowed" is a TypeError
+        return "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
+
+
 class JsonlWriter:
     """Append-only JSONL file; use as a context manager, `append(records)` once per batch.
     append=True continues an existing file (resume); otherwise the file starts empty."""
@@ -72,10 +92,10 @@ class JsonlWriter:
         self.path = path
         self.append_mode = append
         self.count = 0
-        self._file: TextIO | None = None
+        self._file: BinaryIO | None = None
 
     def __enter__(self) -> JsonlWriter:
-        self._file = open(self.path, "a" if self.append_mode else "w", encoding="utf-8")
+        self._file = open(self.path, "ab" if self.append_mode else "wb")
         return self
 
     def append(self, records: list[dict]) -> None:
@@ -83,7 +103,7 @@ class JsonlWriter:
             return
         # One write of whole lines per batch, flushed: a kill leaves at most a torn last line,
         # which read_complete_records removes on --resume.
-        self._file.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        self._file.write(jsonl(records))
         self._file.flush()
         self.count += len(records)
 

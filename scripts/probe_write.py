@@ -1,4 +1,5 @@
-"""Time the sinks' work per batch on the main loop: detection_records + the JSONL lines.
+"""Time the sinks' work per batch on the main loop: detection_records + the JSONL lines, as
+gpudet writes them (orjson) and with the json module (without orjson, and before it was used).
 
 Synthetic detections (RetinaFace-like: 0-5 faces with 5 landmarks per image, batch 32), so it
 runs anywhere; the H200 pipeline spent ~1.2 ms per batch there (docs/BENCHMARKS.md).
@@ -15,7 +16,8 @@ import numpy as np
 
 from pipeline.postprocess import Detections
 from pipeline.preprocess import PreprocessedBatch
-from pipeline.sinks import detection_records
+from pipeline import sinks
+from pipeline.sinks import detection_records, jsonl
 from pipeline.source import ImageRef
 
 
@@ -39,9 +41,15 @@ def main() -> None:
         return detection_records(batch, found, ["face"])
 
     def lines():
-        return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records())
+        return jsonl(records())
 
-    for name, fn in (("detection_records", records), ("records + JSONL lines", lines)):
+    def json_module_lines():
+        return "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in records()).encode()
+
+    assert [json.loads(x) for x in lines().splitlines()] == [json.loads(x) for x in json_module_lines().splitlines()]
+    for name, fn in (("detection_records", records),
+                     (f"records + JSONL lines ({'orjson' if sinks.orjson else 'json module: orjson missing'})", lines),
+                     ("records + JSONL lines (json module)", json_module_lines)):
         for _ in range(10):
             fn()
         start = time.perf_counter()

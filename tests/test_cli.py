@@ -134,3 +134,24 @@ def test_gpu_and_cpu_give_the_same_detections(tmp_path):
             assert np.abs(np.array(da["box"]) - db["box"]).max() <= 2.0, (a["path"], da["box"], db["box"])
             assert np.abs(np.array(da["landmarks"]) - db["landmarks"]).max() <= 2.0
             assert abs(da["score"] - db["score"]) < 0.01
+
+
+@pytest.mark.parametrize("orjson", ["installed", "missing"])
+def test_file_names_that_are_not_utf8_are_written_and_read_back(tmp_path, monkeypatch, orjson):
+    from pipeline import sinks
+
+    assert sinks.orjson is not None  # a dependency: the fast path is the one users run
+    if orjson == "missing":
+        monkeypatch.setattr(sinks, "orjson", None)
+    folder = os.fsencode(tmp_path / "in")
+    os.mkdir(folder)
+    good, empty = folder + b"/caf\xe9.jpg", folder + b"/empty\xff.jpg"  # Latin-1 names: any bytes but / and NUL
+    shutil.copy(SAMPLES / "grace_hopper.jpg", good)
+    open(empty, "wb").close()
+    shutil.copy(SAMPLES / "china.jpg", folder + "/北京.jpg".encode())
+    assert detect(os.fsdecode(folder), "--out", tmp_path / "out", "--device", "cpu") == 3  # one image failed
+    records = read_jsonl(tmp_path / "out" / "detections.jsonl")
+    assert sorted(os.fsencode(r["path"]) for r in records) == sorted([good, folder + "/北京.jpg".encode()])
+    assert [len(r["detections"]) for r in records if r["path"].endswith("jpg") and "caf" in r["path"]] == [1]
+    errors = read_jsonl(tmp_path / "out" / "errors.jsonl")
+    assert [(os.fsencode(e["path"]), e["reason"]) for e in errors] == [(empty, "empty")]
