@@ -126,7 +126,7 @@ PY
   ab)  # the same gpudet benches on several code trees, interleaved round by round (A B A B), on one machine:
     # TREES="_ab/main _ab/branch": folders under the repository, each holding `pipeline/` from one commit
     # (git archive COMMIT pipeline | tar -x -C _ab/NAME); RUNS as for probe; ROUNDS (default 2); DEVICE (cuda);
-    # PASSES (default 1): gpudet's timed passes per run, the median reported (a tree without --passes takes only 1).
+    # PASSES (default 1): gpudet's timed passes per run, the median reported (trees from aecf8a4 on: older ones lack --passes).
     images
     R=$PWD
     for round in $(seq "${ROUNDS:-2}"); do
