@@ -507,7 +507,10 @@ def _read_worker(fd: int) -> None:
     conn = socket.socket(fileno=fd)
     refs: _PackedRefs | None = None
     while True:
-        request, ancillary, _, _ = conn.recvmsg(16, socket.CMSG_SPACE(4))
+        try:
+            request, ancillary, _, _ = conn.recvmsg(16, socket.CMSG_SPACE(4))
+        except OSError:  # reset: the parent closed the socket with answers of ours unread
+            return
         if len(request) != 16:
             return
         first, count = struct.unpack("qq", request)
@@ -533,10 +536,14 @@ def _read_worker(fd: int) -> None:
                     if isinstance(item, EncodedImage):
                         buffer[offset:offset + len(item.data)] = item.data
                         offset += len(item.data)
-            conn.sendmsg([struct.pack("qq", len(checks), total)],
-                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [reply]))])
+            answer = struct.pack("qq", len(checks), total), [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                               array.array("i", [reply]))]
         except Exception:  # noqa: BLE001 - the parent reads this batch itself and meets the error there
-            conn.send(struct.pack("qq", -1, 0))
+            answer = struct.pack("qq", -1, 0), []
+        try:
+            conn.sendmsg([answer[0]], answer[1])
+        except OSError:  # the parent closed the socket with answers owed (it stopped early, or ended)
+            return
         finally:
             if reply >= 0:
                 os.close(reply)
