@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pipeline.source import (EncodedImage, ImageError, ImageRef, ProcessReaders, SourceError, list_images,
-                             read_batches, read_checked)
+                             read_batches, read_checked, read_file)
 
 from conftest import SAMPLES
 
@@ -124,6 +124,17 @@ def test_a_reader_process_that_fails_on_a_batch_hands_it_back():
             readers.result(0)  # read here, where the error is the caller's
         assert _as_comparable([readers.result(1)]) == _as_comparable(read_all_batches([refs[1:]]))
         assert readers.alive == [True]
+
+
+def test_read_file_reads_whole_files_whatever_their_stat_says(tmp_path):
+    for path in [SAMPLES / "china.jpg", SAMPLES / "coffee.png"]:
+        assert read_file(str(path)) == path.read_bytes()
+    (tmp_path / "empty.jpg").write_bytes(b"")
+    assert read_file(str(tmp_path / "empty.jpg")) == b""
+    # /proc files say 0 bytes and have more: read to the end, not to the size fstat gave
+    assert read_file("/proc/self/cmdline") == Path("/proc/self/cmdline").read_bytes() != b""
+    with pytest.raises(IsADirectoryError):
+        read_file(str(tmp_path))
 
 
 def read_all_batches(chunks):
