@@ -88,14 +88,14 @@ class RunConfig:
     num_threads: int = 4
     """DALI worker threads (CPU decode and CPU-side operators) and file reader threads."""
     read_processes: int = 0
-    """Worker processes that read and check the files, one batch each in turn; 0 reads on
-    num_threads threads of this process. A reading thread waits for the interpreter after every
-    open and read, up to Python's switch interval (5 ms) while another thread runs Python: beside
-    a thread encoding JSON, 4 threads read 231-235 img/s (13,752-14,369 alone), 2 processes
-    2,233-3,023 (2 cores, `scripts/probe_read.py`, docs/BENCHMARKS.md). For the GPU path, where
-    Python threads hand batches on at thousands of images per second; on the CPU path the cores
-    decode and run the model (2 cores: 17.2 against 19.8 img/s with 2 processes). Linux only
-    (elsewhere: threads). Not measured on a GPU yet."""
+    """Worker processes that read and check the files, one batch each in turn, kept by the
+    Detector from stream to stream; 0 reads on num_threads threads of this process. A reading
+    thread waits for the interpreter after every system call, up to Python's switch interval
+    (5 ms) while another thread runs Python: beside a thread encoding JSON, 4 threads read 398-439
+    img/s, 2 processes 2,233-3,023 (2 cores, `scripts/probe_read.py`, docs/BENCHMARKS.md). On the
+    H200 (RetinaFace fused config) 2 processes were slower than threads, 2,542-3,187 against
+    3,115-5,371 img/s, each run paying their start-up then; keep 0 until measured otherwise.
+    Linux only (elsewhere: threads)."""
     prefetch_batches: int = 2
     """Batches DALI preprocesses ahead of the one the engine takes (each one more holds a batch
     of encoded and decoded images and its model input in memory)."""

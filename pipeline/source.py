@@ -376,8 +376,7 @@ class ProcessReaders:
             for w, conn in enumerate(self._sockets):
                 if self.alive[w]:
                     try:
-                        conn.sendmsg([struct.pack("qq", -1, 0)],
-                                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [table]))])
+                        conn.sendmsg([struct.pack("qq", -1, 0)], _passing(table))
                     except OSError:
                         self._lost(w)
         finally:
@@ -417,7 +416,7 @@ class ProcessReaders:
 
     def _receive(self, w: int) -> tuple[int, int, list] | None:
         """Worker w's next answer: (checks size, total size, the memfd's ancillary data), or None
-        if the worker is gone (then marked lost). An answer nobody takes is closed with its list."""
+        if the worker is gone (then marked lost). The caller owns the memfd (_unpack closes it)."""
         try:
             message, ancillary, _, _ = self._sockets[w].recvmsg(16, socket.CMSG_SPACE(4))
         except OSError:
@@ -484,7 +483,7 @@ class _PackedRefs:
 
 
 def _memfd(data: bytes) -> int:
-    fd = os.memfd_create("gpudet-read")  # close-on-exec; Popen's pass_fds opens it to the worker
+    fd = os.memfd_create("gpudet-read")  # close-on-exec; it reaches the workers over their sockets
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
@@ -508,6 +507,11 @@ def _unpack(refs: Sequence[ImageRef], ancillary: list, checks_size: int, total: 
             items.append(EncodedImage(ref, data[offset:offset + check]))
             offset += check
     return items
+
+
+def _passing(fd: int) -> list:
+    """sendmsg's ancillary data that passes `fd` to the other end (SCM_RIGHTS); _fds takes it back."""
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
 
 
 def _fds(ancillary: list) -> list[int]:
@@ -554,8 +558,7 @@ def _read_worker(fd: int) -> None:
                     if isinstance(item, EncodedImage):
                         buffer[offset:offset + len(item.data)] = item.data
                         offset += len(item.data)
-            answer = struct.pack("qq", len(checks), total), [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                                               array.array("i", [reply]))]
+            answer = struct.pack("qq", len(checks), total), _passing(reply)
         except Exception:  # noqa: BLE001 - the parent reads this batch itself and meets the error there
             answer = struct.pack("qq", -1, 0), []
         try:
