@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # RetinaNet on the H200 (issues 3, 4, 7): the GPU tests, the side-by-side benchmark, and with two
 # GPUs the --devices and Ray runs. Usage (GPU machine, wheels installed, PYTHONPATH set):
-#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|hostprofile|read|ab|latency|scale
+#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|hostprofile|read|ab|stress|latency|scale
 set -uo pipefail
 OUT=${OUT:-/tmp/gpudet-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -153,6 +153,32 @@ PY
       done
     done
     ;;
+  stress)  # gpudet detect over the image set four times (15,184 images), again and again, per tree and setting, to
+    # catch what fails rarely (an illegal memory access: 1 of 7 runs with postprocess.compile=false on 2026-11-30). Per
+    # run: exit status, result lines against the list, summary.json written or not (written after the last batch, so a
+    # crash with it is one at exit), and stderr's last lines when it failed. TREES as for ab (default: this checkout);
+    # RUNS as for probe; REPEAT (default 5); DEVICE (cuda).
+    images
+    for k in 1 2 3 4; do cat /tmp/imgset/jpg_abs.txt; done > /tmp/imgset/x4.txt
+    R=$PWD; total=$(wc -l < /tmp/imgset/x4.txt)
+    for round in $(seq "${REPEAT:-5}"); do
+      for tree in ${TREES:-.}; do
+        [ "$tree" = . ] || [ -e "$tree/models" ] || ln -s "$R/models" "$tree/models"
+        for run in ${RUNS:-"retinaface_mnet025_heads_fp16,postprocess.compile=false retinaface_mnet025_heads_fp16"}; do
+          parse_run "$run"; tag=$(basename "$(cd "$tree" && pwd)")_${tag}_$round
+          rm -rf /tmp/stress
+          (cd "$tree" && PYTHONPATH="/tmp/site:$R/$tree" timeout 300 $PY -m pipeline detect /tmp/imgset/x4.txt \
+            --config "$R/configs/$cfg.yaml" --device "${DEVICE:-cuda}" $sets --out /tmp/stress --no-progress > /tmp/stress.log 2>&1)
+          rc=$?
+          lines=$(cat /tmp/stress/detections.jsonl 2>/dev/null | wc -l)
+          summary=$([ -f /tmp/stress/summary.json ] && echo summary || echo no-summary)
+          echo "$(date +%T) $tag rc=$rc results $lines/$total $summary, illegal $(grep -c -i illegal /tmp/stress.log):" \
+            "$(grep 'img/s' /tmp/stress.log | tail -1 | cut -c1-110)" | tee -a "$OUT/stress.txt"
+          [ "$rc" -ne 0 ] && { echo "== $tag rc=$rc"; grep -v -i "warn" /tmp/stress.log | tail -40; } >> "$OUT/stress_failed.log"
+        done
+      done
+    done
+    ;;
   latency)  # batch-1 latency of RetinaNet: a batch-1 heads model through gpudet bench --latency
     [ -f $WORK/retinanet_heads_fp16_b1.onnx ] || $PY scripts/export_retinanet.py --contract retinanet_heads --fp16 \
       --batch-size 1 --out $WORK/retinanet_heads_fp16_b1.onnx 2>&1 | quiet | tail -2
@@ -183,5 +209,5 @@ print("one GPU, img/s after setup:", a["images_per_s"], "| two workers, per work
       [w.get("images_per_s") for w in b.get("workers", [])], "| wall totals:", a["seconds"]["total"], b["seconds"]["total"])
 PY
     ;;
-  *) echo "usage: $0 tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|hostprofile|read|ab|latency|scale" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|hostprofile|read|ab|stress|latency|scale" >&2; exit 2 ;;
 esac
