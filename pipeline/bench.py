@@ -163,6 +163,21 @@ def latency_ms(refs: list[ImageRef], config: Config, count: int) -> dict:
             "p99_ms": round(float(np.percentile(times, 99)), 3)}
 
 
+def python_loop_ms(repeats: int = 5) -> float:
+    """Milliseconds one core takes for a fixed piece of pure Python (100,000 loop steps of small
+    int and dict work), the best of `repeats`. A pipeline whose loop is bound by the host (GPU busy
+    well under 100%) follows this number from one machine to the next; it is in every report so that
+    rates of different machine starts can be compared against it."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        counts: dict[int, int] = {}
+        for i in range(100_000):
+            counts[i & 63] = counts.get(i & 63, 0) + i
+        best = min(best, time.perf_counter() - start)
+    return round(1e3 * best, 3)
+
+
 def machine() -> dict:
     import onnxruntime
     import torch
@@ -176,6 +191,7 @@ def machine() -> dict:
         pass
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {"cpu": cpu, "cores": os.cpu_count(), "gpus": gpus, "python": platform.python_version(),
+            "python_loop_ms": python_loop_ms(),
             "torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "dali": dali.__version__}
 
 
@@ -206,6 +222,7 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
     an H200 for RetinaFace: all 4,000 would take 100 s for the same rate). passes: gpudet's timed
     passes over the images; the report's rate and stages are those of the median pass (the lower
     of the middle two), every pass's rate is listed."""
+    host = machine()  # before the detector's threads start, for its python_loop_ms
     refs = list_images(source)[:limit]
     refs = [ImageRef(i, r.path) for i, r in enumerate(refs)]
     detector = Detector(config)
@@ -245,7 +262,7 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
         "images_per_s": rates, "gpudet_stages_s": stages,
         **({"gpudet_passes_images_per_s": [round(rate, 2) for rate, _ in runs]} if passes > 1 else {}),
         "ratios": {k: round(v, 3) for k, v in ratios.items()},
-        "machine": machine(), "gpudet": code_version(),
+        "machine": host, "gpudet": code_version(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command,
     }
@@ -275,6 +292,8 @@ def format_report(report: dict) -> str:
     m = report["machine"]
     lines.append(f"  on {m['cpu']} ({m['cores']} cores){', ' + ', '.join(m['gpus']) if m['gpus'] else ''}; "
                  f"torch {m['torch']}, onnxruntime {m['onnxruntime']}, dali {m['dali']}; {report['date']}")
+    if "python_loop_ms" in m:
+        lines.append(f"  host: a fixed piece of Python in {m['python_loop_ms']:.1f} ms on one core (before the runs)")
     code = report.get("gpudet") or {}
     if code:
         lines.append(f"  gpudet {code['version']} from {code['source']}" +
