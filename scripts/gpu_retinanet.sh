@@ -147,7 +147,8 @@ passes = " ".join(f"{p:.0f}" for p in r.get("gpudet_passes_images_per_s", []))
 print(f"{r['date'][11:19]}  {sys.argv[1].split('/')[-1][3:-5]:<60} gpudet {i['gpudet']:8.1f}  model {i['model']:8.1f}"
       f"  dali {i.get('preprocess', 0):8.1f}  waits read/dali/post/write {waits}  gpu {s.get('gpu_utilisation_percent')}%"
       + (f"  passes {passes}" if passes else "")
-      + (f"  host loop {r['machine']['python_loop_ms']:.1f} ms" if "python_loop_ms" in r["machine"] else ""))
+      + (f"  host loop {r['machine']['python_loop_ms']:.1f} ms" if "python_loop_ms" in r["machine"] else "")
+      + (f"  setup {r['gpudet_setup_s']['detector']:.1f} s" if "gpudet_setup_s" in r else ""))
 PY
           [ -f "$OUT/ab_$tag.json" ] && (cd "$OUT" && tar -rf ab_json.tar "ab_$tag.json" && rm "ab_$tag.json")
         done

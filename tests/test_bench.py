@@ -19,6 +19,8 @@ def test_bench_reports_rates_ratios_and_the_machine(tmp_path, capsys):
                                                        report["images_per_s"]["naive"], 3)
     assert report["images"] == 6 and report["naive_images"] == 4 and report["machine"]["cores"] >= 1 and report["date"]
     assert 0 < report["machine"]["python_loop_ms"] < 1000  # the host's speed on one core, for comparing machines
+    setup = report["gpudet_setup_s"]  # what a job pays once: the detector, then its first batch
+    assert setup["detector"] > 0 and setup["first_batch"] > 0
     # which code made the numbers: this checkout's commit (tests run from one)
     code = report["gpudet"]
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
@@ -32,6 +34,7 @@ def test_bench_reports_rates_ratios_and_the_machine(tmp_path, capsys):
     assert latency["images"] == 5 and 0 < latency["p50_ms"] <= latency["p99_ms"]
     out = capsys.readouterr().out
     assert "gpudet / naive" in out and "latency, batch 1, 5 images: p50" in out and "gpudet stages" in out
+    assert f"gpudet setup, paid once per job: {setup['detector']:.2f} s to build the detector" in out
     assert f"a fixed piece of Python in {report['machine']['python_loop_ms']:.1f} ms" in out
     assert "(first 4 images)" in out and f"from {ROOT / 'pipeline'} at {code['commit']}" in out
 
