@@ -116,6 +116,35 @@ def test_batches_in_flight_come_back_in_order_and_held_buffers_stay_valid(device
     assert np.array_equal(as_numpy(first.images), first_pixels)
 
 
+@cpu_and_cuda()
+def test_dali_is_done_with_a_batchs_bytes_once_its_result_is_taken(device):
+    # DALI reads the files' bytes in place (external_source no_copy): Preprocessor lets go of a
+    # batch's bytes once its result is taken, while the batches after it are still in DALI. Bytes
+    # overwritten then (as freed memory may be) must change nothing, in this batch or the next.
+    names = ["china.jpg", "grace_hopper.jpg", "astronaut.png", "china.jpg", "grace_hopper.jpg", "camera.png",
+             "grace_hopper.jpg", "china.jpg"]
+
+    def run(scribble: bool) -> list[np.ndarray]:
+        p = preprocessor(device, batch_size=2)
+        batches = [[EncodedImage(ImageRef(i + j, n), np.frombuffer(bytearray((SAMPLES / n).read_bytes()), np.uint8))
+                    for j, n in enumerate(names[i:i + 2])] for i in range(0, len(names), 2)]
+        p.submit(batches[0])
+        p.submit(batches[1])
+        pixels = []
+        for k, batch in enumerate(batches):
+            pixels.append(as_numpy(p.result().images).copy())
+            if scribble:
+                for item in batch:
+                    item.data[:] = 0xFF
+            if k + 2 < len(batches):
+                p.submit(batches[k + 2])
+        return pixels
+
+    expected = run(scribble=False)
+    for got, want in zip(run(scribble=True), expected):
+        assert np.array_equal(got, want)
+
+
 def test_a_failure_reports_the_batches_submitted_after_it():
     from pipeline.preprocess import PreprocessFailure
 
