@@ -156,7 +156,7 @@ PY
     done
     ;;
   stress)  # gpudet detect over the image set four times (15,184 images), again and again, per tree and setting, to
-    # catch what fails rarely (an illegal memory access: 1 of 7 runs with postprocess.compile=false on 2026-11-30). Per
+    # catch what fails rarely (an illegal memory access: 1 of 6 runs with postprocess.compile=false on 2026-11-30). Per
     # run: exit status, result lines against the list, summary.json written or not (written after the last batch, so a
     # crash with it is one at exit), and stderr's last lines when it failed. TREES as for ab (default: this checkout);
     # RUNS as for probe; REPEAT (default 5); DEVICE (cuda).
