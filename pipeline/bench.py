@@ -98,12 +98,14 @@ class GpuUtilisation:
         self.mean = round(sum(samples) / len(samples), 1) if samples else None
 
 
-def gpudet_passes(refs: list[ImageRef], detector: Detector, passes: int = 1) -> list[tuple[float, dict]]:
+def gpudet_passes(refs: list[ImageRef], detector: Detector, passes: int = 1, *,
+                  warm_up: bool = True) -> list[tuple[float, dict]]:
     """The pipeline as `gpudet detect` runs it: read, DALI, ORT, postprocess, JSONL records, timed
-    over `refs` `passes` times after one warm-up batch. Per pass: images/s and {stage: seconds the
-    loop waited on it, gpu_utilisation_percent}."""
+    over `refs` `passes` times after one warm-up batch (warm_up=False: the caller ran one). Per
+    pass: images/s and {stage: seconds the loop waited on it, gpu_utilisation_percent}."""
     labels = detector.config.model.labels
-    list(detector.stream(refs[:detector.config.run.batch_size], lambda errors: None))  # warm-up
+    if warm_up:
+        list(detector.stream(refs[:detector.config.run.batch_size], lambda errors: None))
     runs = []
     for _ in range(passes):
         clock = StageClock()
@@ -227,7 +229,8 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
     refs = list_images(source)[:limit]
     refs = [ImageRef(i, r.path) for i, r in enumerate(refs)]
     # What a job pays once, before its images/s: the detector (model load, the engine's warm-up and
-    # CUDA graphs, the compiled postprocess) and the first batch (DALI's start, the decoder's).
+    # CUDA graphs, the compiled postprocess) and the first batch (DALI's start, the decoder's), which
+    # is also the passes' warm-up.
     start = time.perf_counter()
     detector = Detector(config)
     setup = {"detector": time.perf_counter() - start}
@@ -236,7 +239,7 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
     list(detector.stream(refs[:config.run.batch_size], lambda errors: None))
     setup["first_batch"] = time.perf_counter() - start
     items = [i for i in map(read_checked, refs[:config.run.batch_size]) if isinstance(i, EncodedImage)]
-    runs = gpudet_passes(refs, detector, passes)
+    runs = gpudet_passes(refs, detector, passes, warm_up=False)
     gpudet_rate, stages = sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2]
     rates = {
         "gpudet": gpudet_rate,
