@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pipeline.source import (EncodedImage, ImageError, ImageRef, ProcessReaders, SourceError, list_images,
-                             read_batches, read_checked, read_file)
+                             read_all, read_batches, read_checked, read_file)
 
 from conftest import SAMPLES
 
@@ -138,7 +138,7 @@ def test_read_file_reads_whole_files_whatever_their_stat_says(tmp_path):
 
 
 def read_all_batches(chunks):
-    return [[read_checked(r) for r in chunk] for chunk in chunks]
+    return [read_all(chunk) for chunk in chunks]
 
 
 def test_stopping_early_ends_the_reader_processes_quietly(capfd):
