@@ -93,9 +93,9 @@ class RunConfig:
     thread waits for the interpreter after every system call, up to Python's switch interval
     (5 ms) while another thread runs Python: beside a thread encoding JSON, 4 threads read 398-439
     img/s, 2 processes 2,233-3,023 (2 cores, `scripts/probe_read.py`, docs/BENCHMARKS.md). On the
-    H200 (RetinaFace fused config) 2 processes were slower than threads, 2,542-3,187 against
-    3,115-5,371 img/s, each run paying their start-up then; keep 0 until measured otherwise.
-    Linux only (elsewhere: threads)."""
+    H200 (RetinaFace fused config) 2 processes were slower than threads: 2,542-3,187 against
+    3,115-5,371 img/s with their start-up in the pass, 4,912-5,375 against 5,395-5,950 with the
+    processes kept (a later machine start); keep 0. Linux only (elsewhere: threads)."""
     prefetch_batches: int = 2
     """Batches DALI preprocesses ahead of the one the engine takes (each one more holds a batch
     of encoded and decoded images and its model input in memory)."""
