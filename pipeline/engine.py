@@ -27,6 +27,12 @@ own stream wait for (`Launched.wait`). The engine's thread can then queue the ne
 the GPU still runs this one, so the model's kernels follow each other with no host round trip
 between them. The caller keeps the input alive, and does not let the engine write a slot again,
 until its reader has synchronized after reading (Detector.stream).
+
+The input is taken through DLPack with the engine's stream named as its reader (`__dlpack__(stream=
+...)`): the producer makes that stream wait for its own pending writes (DALI hands out a batch
+while its kernels may still be running on DALI's stream). Taken on another stream, as torch's
+`from_dlpack` does on the caller's current stream, the model (or the CUDA-graph input copy) on the
+engine's stream would not wait for them.
 """
 
 from __future__ import annotations
@@ -235,13 +241,22 @@ class Engine:
         """The batch copied into the slot's own input buffer, on ORT's stream: the model's kernels
         follow it there, with no host wait (and it does not wait for the postprocess of the other
         slot, on torch's default stream)."""
-        source = torch.from_dlpack(images)
-        if slot not in self._graph_inputs:
-            self._graph_inputs[slot] = torch.empty_like(source)
-        target = self._graph_inputs[slot]
         with torch.cuda.stream(self.stream):
+            source = torch.from_dlpack(images)  # names this stream as the reader (module docstring)
+            if slot not in self._graph_inputs:
+                self._graph_inputs[slot] = torch.empty_like(source)
+            target = self._graph_inputs[slot]
             target.copy_(source)
         return target
+
+    def _dlpack(self, images):
+        """`images` for `OrtValue.from_dlpack`: on a GPU, its capsule taken with the engine's stream
+        as the reader, so the producer orders its pending writes before ORT's kernels, with no host
+        wait (module docstring). `OrtValue.from_dlpack(images)` would ask with no stream: DALI then
+        waits on the host, torch assumes the legacy default stream."""
+        if self.stream is None or not hasattr(images, "__dlpack__"):
+            return images
+        return images.__dlpack__(stream=self.stream.cuda_stream)
 
     @property
     def device_type(self) -> str:
@@ -332,7 +347,7 @@ class Engine:
         if self.device.is_cuda:
             started = torch.cuda.Event(enable_timing=True)
             started.record(self.stream)
-        value = ort.OrtValue.from_dlpack(self._graph_input(images, slot) if self.cuda_graph else images)
+        value = ort.OrtValue.from_dlpack(self._graph_input(images, slot) if self.cuda_graph else self._dlpack(images))
         batch_size = value.shape()[0]
         if self.image_input.batch not in (None, batch_size):
             raise ModelError(f"{self.model_path}: the model takes batches of exactly {self.image_input.batch} images, "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # RetinaNet on the H200 (issues 3, 4, 7): the GPU tests, the side-by-side benchmark, and with two
 # GPUs the --devices and Ray runs. Usage (GPU machine, wheels installed, PYTHONPATH set):
-#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|hostprofile|read|ab|stress|latency|scale
+#   OUT=/some/dir bash scripts/gpu_retinanet.sh tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|hostprofile|read|ab|stress|daliready|latency|scale
 set -uo pipefail
 OUT=${OUT:-/tmp/gpudet-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -174,12 +174,60 @@ PY
           rc=$?
           lines=$(cat /tmp/stress/detections.jsonl 2>/dev/null | wc -l)
           summary=$([ -f /tmp/stress/summary.json ] && echo summary || echo no-summary)
-          echo "$(date +%T) $tag rc=$rc results $lines/$total $summary, illegal $(grep -c -i illegal /tmp/stress.log):" \
+          # Each image is listed four times: copies whose detections differ (count, or a box by over 1 px)
+          # are a batch read before it was written, or another batch's bytes.
+          differ=$($PY - /tmp/stress/detections.jsonl <<'CHECK' 2>/dev/null
+import json, sys
+from collections import defaultdict
+seen = defaultdict(list)
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    seen[r["path"]].append(r.get("detections") or [])
+def same(a, b):
+    return len(a) == len(b) and all(max(abs(x - y) for x, y in zip(p["box"], q["box"])) <= 1.0 for p, q in zip(a, b))
+print(sum(any(not same(c, copies[0]) for c in copies[1:]) for copies in seen.values()), "of", len(seen))
+CHECK
+)
+          echo "$(date +%T) $tag rc=$rc results $lines/$total $summary, copies differ ${differ:-?}, illegal $(grep -c -i illegal /tmp/stress.log):" \
             "$(grep 'img/s' /tmp/stress.log | tail -1 | cut -c1-110)" | tee -a "$OUT/stress.txt"
           [ "$rc" -ne 0 ] && { echo "== $tag rc=$rc"; grep -v -i "warn" /tmp/stress.log | tail -40; } >> "$OUT/stress_failed.log"
         done
       done
     done
+    ;;
+  daliready)  # how often a DALI batch is handed out (outputs()) before DALI's kernels have written it: why the
+    # engine names its own stream when it takes a batch through DLPack (pipeline/engine.py). Fused config's shapes.
+    images
+    $PY - <<'PY' 2>&1 | quiet | tee "$OUT/daliready.txt"
+import torch
+from pipeline.device import Device
+from pipeline.preprocess import Preprocessor
+from pipeline.source import list_images, read_checked
+
+items = [read_checked(r) for r in list_images("/tmp/imgset/jpg_abs.txt")[:32 * 60]]
+batches = [items[i:i + 32] for i in range(0, len(items), 32)]
+for depth in (1, 2):
+    p = Preprocessor(device=Device("cuda", 0), batch_size=32, num_threads=4, height=640, width=640,
+                     resize="letterbox", channel_order="BGR", mean=[104, 117, 123], std=[1, 1, 1], pad_value=0,
+                     dtype="float16", layout="NCHW")
+    unready = 0
+
+    def take():
+        global unready
+        images = p.result().images
+        reader = torch.cuda.Stream()
+        images.__dlpack__(stream=reader.cuda_stream)  # the reader waits for DALI's event
+        unready += not reader.query()
+        reader.synchronize()
+
+    for batch in batches:
+        p.submit(batch)
+        if len(p.in_flight) == depth:
+            take()
+    while p.in_flight:
+        take()
+    print(f"depth {depth}: {unready} of {len(batches)} batches handed out before DALI's kernels finished")
+PY
     ;;
   latency)  # batch-1 latency of RetinaNet: a batch-1 heads model through gpudet bench --latency
     [ -f $WORK/retinanet_heads_fp16_b1.onnx ] || $PY scripts/export_retinanet.py --contract retinanet_heads --fp16 \
@@ -211,5 +259,5 @@ print("one GPU, img/s after setup:", a["images_per_s"], "| two workers, per work
       [w.get("images_per_s") for w in b.get("workers", [])], "| wall totals:", a["seconds"]["total"], b["seconds"]["total"])
 PY
     ;;
-  *) echo "usage: $0 tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|hostprofile|read|ab|stress|latency|scale" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|profile|kernels|fuse|fusedetect|retinaface|probe|pipeline|hostprofile|read|ab|stress|daliready|latency|scale" >&2; exit 2 ;;
 esac

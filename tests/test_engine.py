@@ -276,3 +276,56 @@ def test_launch_queues_the_model_without_a_host_wait(heads_model, cuda_graph):
         torch.testing.assert_close(got[name], want[name])
     nms = Engine(MODEL, device=dev, scalars=SCALARS, input_size_hw=(640, 640))
     assert nms.launch(x).complete
+
+
+class LateProducer:
+    """A DLPack producer whose tensor is still being written when it is handed out, as a DALI batch
+    may be: the write waits behind a spin on the producer's own stream. It keeps the DLPack stream
+    contract: a named reader stream waits for the write on the GPU; no stream named, the host waits."""
+
+    def __init__(self, value: torch.Tensor, spin_cycles: int):
+        self.stream = torch.cuda.Stream(value.device)
+        self.stream.wait_stream(torch.cuda.current_stream(value.device))
+        self.tensor = torch.full_like(value, float("nan"))
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(spin_cycles)
+            self.tensor.copy_(value)
+        self.written = torch.cuda.Event()
+        self.written.record(self.stream)
+        self.readers: list = []
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+    def __dlpack__(self, stream=None, **unused):
+        self.readers.append(stream)
+        if stream is None:
+            self.written.synchronize()
+        elif stream != -1:
+            reader = torch.cuda.default_stream() if stream == 1 else torch.cuda.ExternalStream(stream)
+            reader.wait_event(self.written)
+        return self.tensor.__dlpack__(stream=-1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_the_model_waits_on_the_gpu_for_its_input_to_be_written(heads_model, cuda_graph):
+    """DALI hands out a batch while its kernels may still be writing it on DALI's stream. The engine
+    takes it through DLPack naming its own stream as the reader: the model (and the CUDA-graph
+    input copy) wait for those writes on the GPU, and launch does not wait for them on the host."""
+    dev = Device("cuda", 0)
+    engine = Engine(heads_model, device=dev, scalars={}, batch_size=2, cuda_graph=cuda_graph)
+    engine.warm_up(2, (640, 640))
+    x = torch.randn(2, 3, 640, 640, generator=torch.Generator().manual_seed(2)).mul_(50).cuda()
+    want = {k: v.clone() for k, v in engine.run(x, slot=1).items()}
+    late = LateProducer(x, 200_000_000)  # ~0.1 s of spinning before the write
+    launched = engine.launch(late, slot=0)
+    assert late.readers == [engine.stream.cuda_stream]
+    assert not late.written.query()  # launch returned while the input was still unwritten
+    reader = torch.cuda.Stream(dev.torch)
+    with torch.cuda.stream(reader):
+        launched.wait()
+        got = {k: v.clone() for k, v in launched.outputs.items()}
+    reader.synchronize()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])

@@ -80,8 +80,10 @@ def test_profile_pipeline_adds_up_streams_overlap_and_gaps():
     """scripts/profile_pipeline.py's arithmetic on a made-up timeline (us): the model's stream 7
     runs [0, 100) and [150, 300) (one 50 us gap), stream 3 runs [50, 200) in two touching kernels,
     stream 9 [400, 410). Busy time is a union, not a sum; overlap is an intersection."""
-    events = [{"name": "conv", "ts": 0, "dur": 100, "stream": 7}, {"name": "conv", "ts": 150, "dur": 150, "stream": 7},
-              {"name": "resize", "ts": 50, "dur": 100, "stream": 3}, {"name": "norm", "ts": 150, "dur": 50, "stream": 3},
+    events = [{"name": "conv", "ts": 0, "dur": 100, "stream": 7},
+              {"name": "conv", "ts": 150, "dur": 150, "stream": 7},
+              {"name": "resize", "ts": 50, "dur": 100, "stream": 3},
+              {"name": "norm", "ts": 150, "dur": 50, "stream": 3},
               {"name": "nms", "ts": 400, "dur": 10, "stream": 9}]
     report = pp.summarize(events, min_gap_us=20)
     assert report["span_ms"] == 0.41 and report["model_stream"] == "7"
