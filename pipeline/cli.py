@@ -140,8 +140,10 @@ def summary_table(s: dict) -> str:
     if stages:
         lines.append("        stages: " + ", ".join(stages))
     for w in s.get("workers", []):
+        died = w.get("exit_codes", [])[:-1]  # the exit codes of processes restarted after them
         lines.append(f"        worker {w['device']}: {w['processed']} images, {w['failed']} failed, "
-                     f"{w['images_per_s'] or '-'} img/s, exit {w['exit_code']}")
+                     f"{w['images_per_s'] or '-'} img/s, exit {w['exit_code']}"
+                     + (f" (restarted after {', '.join(map(str, died))})" if died else ""))
     if s["failed_by_reason"]:
         lines.append("        failed: " + ", ".join(f"{k} {v}" for k, v in sorted(s["failed_by_reason"].items())))
     lines.append(f"        results in {s['out']}/detections.jsonl" +

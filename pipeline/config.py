@@ -127,6 +127,11 @@ class RunConfig:
     the batch size fixed at load, one device-to-device copy of each batch into the graph's input
     buffer. Needs a model with static output shapes (a heads contract). RetinaFace heads fp16 on
     the H200: 4.0 vs 4.3 ms per batch of 32 (docs/BENCHMARKS.md). No out-of-memory retry."""
+    worker_restarts: int = 2
+    """--devices: a worker that dies (killed by a signal or aborted, as by a CUDA fault: the
+    process cannot continue, nothing is lost since results are flushed per batch) is started again
+    on its images not yet recorded, up to this many times, while each run records something. A
+    worker that exits with an error of gpudet's (a bad config, model or device) is not restarted."""
     gil_switch_interval_ms: float | None = None
     """Python's thread switch interval (`sys.setswitchinterval`) while a detector streams, restored
     after; null leaves the interpreter's (5 ms by default). The engine and postprocess threads
@@ -171,6 +176,7 @@ class Config:
         need(self.run.batch_size > 0, "run.batch_size", "must be > 0")
         need(self.run.num_threads > 0, "run.num_threads", "must be > 0")
         need(self.run.read_processes >= 0, "run.read_processes", "must be >= 0 (0: threads)")
+        need(self.run.worker_restarts >= 0, "run.worker_restarts", "must be >= 0 (0: never restart a worker)")
         need(self.run.prefetch_batches > 0, "run.prefetch_batches", "must be > 0")
         need(self.run.pipeline_depth >= 2, "run.pipeline_depth", "must be >= 2 (the postprocess of one batch "
              "overlaps the model on the next)")

@@ -8,13 +8,16 @@ and ORT session on its share of the images, merged into the usual output files.
 The parent lists the images, takes out those already recorded (--resume), deals the rest
 round-robin to the workers (`todo[k::n]`, so every input goes to exactly one), starts them
 (spawn: CUDA cannot be forked), shows one progress bar from the shard files, and merges when all
-have stopped. A worker that fails is reported with its device and exit code; what it wrote stays
-in its shard and a --resume picks up the rest.
+have stopped. A worker that dies (a signal: killed, or aborted by a CUDA fault) is started again
+on its images not yet recorded (run.worker_restarts). A worker that fails otherwise is reported with
+its device and exit code; what it wrote stays in its shard and a --resume picks up the rest. The
+summary's counts are read from the merged records, so a process that died is counted too.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import re
@@ -22,14 +25,19 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from . import __version__
 from .config import Config
 from .device import DeviceError
-from .runner import RESULT_FILES, RunResult, images_to_do, process, read_complete_records, write_json_atomic
+from .runner import RESULT_FILES, RunResult, images_to_do, process, read_complete_records, recorded, \
+    write_json_atomic
 from .source import ImageRef, list_images
+
+log = logging.getLogger("gpudet")
 
 
 def parse_devices(text: str) -> list[str]:
@@ -73,9 +81,11 @@ def _lines(path: Path) -> int:
         return 0
 
 
-def merge_results(out: Path, shards: list[Path]) -> dict[str, int]:
+def merge_results(out: Path, shards: list[Path], tally: Callable[[str, dict], None] = lambda name, record: None
+                  ) -> dict[str, int]:
     """Rewrite out/{detections,errors}.jsonl as the union, by image index, of what they held and
-    what the shards hold; streamed, replaced atomically. Returns records per file."""
+    what the shards hold; streamed, replaced atomically. Returns records per file; `tally` sees
+    each record kept, with its file's name."""
     counts = {}
     for name in RESULT_FILES:
         seen: set[int] = set()
@@ -85,10 +95,30 @@ def merge_results(out: Path, shards: list[Path]) -> dict[str, int]:
                 for record in read_complete_records(path):
                     if record["index"] not in seen:
                         seen.add(record["index"])
+                        tally(name, record)
                         merged.write(json.dumps(record, ensure_ascii=False) + "\n")
         os.replace(tmp, out / name)
         counts[name] = len(seen)
     return counts
+
+
+@dataclass
+class Worker:
+    """One device's worker: its share of the images, and the processes that ran it (one, and one
+    more per restart)."""
+
+    device: str
+    shard: Path
+    share: list[ImageRef]
+    restarts_left: int
+    process: Any = None
+    left: int = 0
+    """Images of the share not yet recorded when the current process started."""
+    exit_codes: list[int] = field(default_factory=list)
+    ended: bool = False
+    processed: int = 0
+    failed: int = 0
+    detections: int = 0
 
 
 def run_on_devices(source: str, out_dir: str | Path, config: Config, devices: list[str], *, root: str | None = None,
@@ -107,59 +137,113 @@ def run_on_devices(source: str, out_dir: str | Path, config: Config, devices: li
         for name in RESULT_FILES:
             (out / name).unlink(missing_ok=True)
     context = multiprocessing.get_context("spawn")
-    workers = []
-    for k, device in enumerate(devices):
-        worker_config = replace(config, run=replace(config.run, device=device))
-        process_ = context.Process(target=_worker, args=(todo[k::len(devices)], str(shards[k]), worker_config,
-                                                         str(source), len(refs)), name=f"gpudet-{device}")
-        process_.start()
-        workers.append(process_)
-    _wait_with_progress(workers, shards, len(todo), progress)
-    counts = merge_results(out, [s for s in shards if s.is_dir()])
-    return _summarise(source, out, refs, todo, devices, workers, shards, counts, started)
+
+    def start(worker: Worker, images: list[ImageRef]) -> None:
+        (worker.shard / "summary.json").unlink(missing_ok=True)  # each process writes its own
+        worker_config = replace(config, run=replace(config.run, device=worker.device))
+        worker.process = context.Process(target=_worker, name=f"gpudet-worker{worker.shard.name}-{worker.device}",
+                                         args=(images, str(worker.shard), worker_config, str(source), len(refs)))
+        worker.left = len(images)
+        worker.process.start()
+
+    def restarted(worker: Worker) -> bool:
+        """After its process ended: start it again on the share's unrecorded images, if it died
+        (killed by a signal) having recorded some, restarts left (run.worker_restarts)."""
+        code = worker.process.exitcode
+        worker.exit_codes.append(code)
+        if code >= 0 or worker.restarts_left == 0:
+            return False
+        # Reading the shard cuts a torn last line (a kill mid-write) off, so the next run appends whole lines.
+        done = recorded([worker.shard / name for name in RESULT_FILES], refs)
+        left = [r for r in worker.share if r.index not in done]
+        if not left or len(left) == worker.left:
+            return False
+        worker.restarts_left -= 1
+        log.warning("worker %s on %s died (exit code %d) after recording %d of its images; starting it again on "
+                    "the %d left (run.worker_restarts: %d more)", worker.shard.name, worker.device, code,
+                    worker.left - len(left), len(left), worker.restarts_left)
+        start(worker, left)
+        return True
+
+    workers = [Worker(device, shards[k], todo[k::len(devices)], config.run.worker_restarts)
+               for k, device in enumerate(devices)]
+    for worker in workers:
+        start(worker, worker.share)
+    _wait_with_progress(workers, len(todo), progress, restarted)
+    owner = {r.index: w for w in workers for r in w.share}
+    failed_by_reason: Counter = Counter()
+
+    def tally(name: str, record: dict) -> None:
+        worker = owner.get(record["index"])
+        if worker is None:  # recorded by an earlier run
+            return
+        if name == RESULT_FILES[0]:
+            worker.processed += 1
+            worker.detections += len(record.get("detections") or [])
+        else:
+            worker.failed += 1
+            failed_by_reason[record.get("reason", "unknown")] += 1
+
+    counts = merge_results(out, [s for s in shards if s.is_dir()], tally)
+    return _summarise(source, out, refs, todo, workers, counts, failed_by_reason, started)
 
 
-def _wait_with_progress(workers: list, shards: list[Path], total: int, progress: bool | None) -> None:
+def _wait_with_progress(workers: list[Worker], total: int, progress: bool | None,
+                        restarted: Callable[[Worker], bool]) -> None:
     from tqdm import tqdm
 
     show = sys.stderr.isatty() if progress is None else progress
-    baseline = sum(_lines(s / name) for s in shards for name in RESULT_FILES)
+    files = [w.shard / name for w in workers for name in RESULT_FILES]
+    baseline = sum(_lines(f) for f in files)
+
+    def running() -> bool:
+        for w in workers:
+            if not w.ended and not w.process.is_alive():
+                w.process.join()
+                w.ended = not restarted(w)
+        return any(not w.ended for w in workers)
+
     with tqdm(total=total, unit="img", disable=not show, dynamic_ncols=True) as bar:
         try:
-            while any(w.is_alive() for w in workers):
+            while running():
                 time.sleep(0.5)
-                bar.n = sum(_lines(s / name) for s in shards for name in RESULT_FILES) - baseline
+                bar.n = sum(_lines(f) for f in files) - baseline
                 bar.refresh()
+            bar.n = sum(_lines(f) for f in files) - baseline
         except KeyboardInterrupt:  # the workers got the same SIGINT; let them finish their batch
             for w in workers:
-                w.join()
+                w.process.join()
             raise
-        for w in workers:
-            w.join()
 
 
-def _summarise(source, out: Path, refs, todo, devices, workers, shards, counts, started) -> RunResult:
-    per_worker, failed_by_reason, failed_workers = [], Counter(), []
-    for device, worker, shard in zip(devices, workers, shards, strict=True):
-        summary_path = shard / "summary.json"
+def _summarise(source, out: Path, refs, todo, workers: list[Worker], counts, failed_by_reason: Counter,
+               started) -> RunResult:
+    per_worker, failed_workers = [], []
+    for worker in workers:
+        summary_path = worker.shard / "summary.json"  # its last process's, if that one finished
         s = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-        per_worker.append({"device": device, "exit_code": worker.exitcode, "processed": s.get("processed", 0),
-                           "failed": s.get("failed", 0), "detections": s.get("detections", 0),
+        code = worker.exit_codes[-1]
+        per_worker.append({"device": worker.device, "exit_code": code, "exit_codes": worker.exit_codes,
+                           "processed": worker.processed, "failed": worker.failed, "detections": worker.detections,
                            "images_per_s": s.get("images_per_s")})
-        failed_by_reason.update(s.get("failed_by_reason", {}))
-        if worker.exitcode not in (0, 3):
-            failed_workers.append(f"worker {shard.name} on {device} exited with code {worker.exitcode}")
+        unrecorded = len(worker.share) - worker.processed - worker.failed
+        # 3: some images failed, 130: interrupted; 1, 2: an error of gpudet's. Killed (a negative code)
+        # after recording its whole share, nothing is missing.
+        if code not in (0, 3, 130) and (code in (1, 2) or unrecorded):
+            failed_workers.append(f"worker {worker.shard.name} on {worker.device} exited with code {code}"
+                                  + (f", {unrecorded} of its images not recorded" if unrecorded else ""))
     elapsed = time.perf_counter() - started
-    processed = sum(w["processed"] for w in per_worker)
-    failed = sum(w["failed"] for w in per_worker)
+    processed = sum(w.processed for w in workers)
+    failed = sum(w.failed for w in workers)
     summary = {
-        "gpudet": __version__, "source": str(source), "out": str(out), "devices": devices,
-        "device": ", ".join(devices), "detections": sum(w["detections"] for w in per_worker),
+        "gpudet": __version__, "source": str(source), "out": str(out), "devices": [w.device for w in workers],
+        "device": ", ".join(w.device for w in workers), "detections": sum(w.detections for w in workers),
         "images": len(refs), "already_done": len(refs) - len(todo), "processed": processed, "failed": failed,
         "failed_by_reason": dict(failed_by_reason), "recorded": counts, "workers": per_worker,
+        "restarts": sum(len(w.exit_codes) - 1 for w in workers),
         "failed_workers": failed_workers, "seconds": {"total": round(elapsed, 4)},
         "images_per_s": round((processed + failed) / max(elapsed, 1e-9), 2),
-        "interrupted": any(w.exitcode == 130 for w in workers),
+        "interrupted": any(w.exit_codes[-1] == 130 for w in workers),
     }
     write_json_atomic(out / "summary.json", summary)
     if failed_workers:

@@ -1,6 +1,11 @@
 """Several workers on one host (`--devices`): each image exactly once, a failing worker reported."""
 
 import json
+import multiprocessing
+import os
+import signal
+import threading
+import time
 
 import pytest
 
@@ -50,3 +55,44 @@ def test_a_failing_worker_is_reported_and_resume_finishes(tmp_path, capsys):
     failed = read_jsonl(out / "errors.jsonl")
     assert sorted([r["index"] for r in done] + [e["index"] for e in failed]) == list(range(7))
     assert [e["reason"] for e in failed] == ["empty"]
+
+
+def test_a_worker_that_dies_is_started_again_on_what_it_had_not_recorded(tmp_path, capsys):
+    """A worker killed mid-run (SIGKILL: as by the OOM killer, or an abort after a CUDA fault) after
+    recording some batches: the parent starts it again on its images not yet recorded; every image
+    ends up recorded exactly once, and the summary counts what both of its processes did."""
+    images = [p for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md"] * 16
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"{p}\n" for p in images))
+    out = tmp_path / "out"
+    shard = out / "shards" / "0"
+    killed = []
+
+    def kill_worker_0_after_its_first_batch():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            workers = [p for p in multiprocessing.active_children() if p.name.startswith("gpudet-worker0-")]
+            recorded = sum(len(read_jsonl(shard / f)) for f in ("detections.jsonl", "errors.jsonl")
+                           if (shard / f).exists())
+            if workers and recorded >= 2:
+                os.kill(workers[0].pid, signal.SIGKILL)
+                killed.append(recorded)
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=kill_worker_0_after_its_first_batch)
+    watcher.start()
+    code = main(["detect", str(listing), "--out", str(out), "--devices", "cpu,cpu", "--batch-size", "2"])
+    watcher.join()
+    assert killed and killed[0] < len(images) // 2  # it died with images of its share left
+    assert code == 0
+    indices = sorted(r["index"] for r in read_jsonl(out / "detections.jsonl"))
+    assert indices == list(range(len(images)))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["failed_workers"] == []
+    assert summary["workers"][0]["exit_codes"] == [-signal.SIGKILL, 0]
+    assert [w["processed"] for w in summary["workers"]] == [len(images) // 2] * 2
+    assert summary["processed"] == len(images)
+    printed = capsys.readouterr()
+    assert "worker 0 on cpu died (exit code -9)" in printed.err
+    assert "exit 0 (restarted after -9)" in printed.out
