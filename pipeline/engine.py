@@ -58,6 +58,8 @@ TORCH_TO_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.in
                   torch.int32: np.int32, torch.bool: np.bool_, torch.uint8: np.uint8, torch.float64: np.float64}
 SCALAR_INPUTS = {"score_threshold": np.float32, "iou_threshold": np.float32, "max_detections": np.int64}
 
+KDL_CUDA = 2  # DLPack's device type for CUDA memory (DLDeviceType.kDLCUDA)
+
 
 class ModelError(ValueError):
     """The model cannot be used by gpudet; the message lists what was found and what was expected."""
@@ -254,7 +256,8 @@ class Engine:
         as the reader, so the producer orders its pending writes before ORT's kernels, with no host
         wait (module docstring). `OrtValue.from_dlpack(images)` would ask with no stream: DALI then
         waits on the host, torch assumes the legacy default stream."""
-        if self.stream is None or not hasattr(images, "__dlpack__"):
+        if self.stream is None or not hasattr(images, "__dlpack_device__") or \
+                int(images.__dlpack_device__()[0]) != KDL_CUDA:  # host memory: no stream to name
             return images
         return images.__dlpack__(stream=self.stream.cuda_stream)
 

@@ -329,3 +329,13 @@ def test_the_model_waits_on_the_gpu_for_its_input_to_be_written(heads_model, cud
     reader.synchronize()
     for name in want:
         torch.testing.assert_close(got[name], want[name])
+
+
+@pytest.mark.cuda
+def test_a_host_array_is_taken_as_before_by_an_engine_on_the_gpu(heads_model):
+    """Host memory has no stream to name: a numpy batch goes to ORT as it is (ORT copies it in)."""
+    engine = Engine(heads_model, device=Device("cuda", 0), scalars={})
+    x = torch.randn(2, 3, 640, 640, generator=torch.Generator().manual_seed(3)).mul_(50)
+    want = {k: v.clone() for k, v in engine.run(x.cuda()).items()}
+    for name, value in engine.run(x.numpy()).items():
+        torch.testing.assert_close(value, want[name])
