@@ -205,11 +205,13 @@ def _wait_with_progress(workers: list[Worker], total: int, progress: bool | None
 
     with tqdm(total=total, unit="img", disable=not show, dynamic_ncols=True) as bar:
         try:
-            while running():
-                time.sleep(0.5)
+            while True:
+                more = running()
                 bar.n = sum(_lines(f) for f in files) - baseline
                 bar.refresh()
-            bar.n = sum(_lines(f) for f in files) - baseline
+                if not more:
+                    break
+                time.sleep(0.5)
         except KeyboardInterrupt:  # the workers got the same SIGINT; let them finish their batch
             for w in workers:
                 w.process.join()

@@ -251,6 +251,17 @@ def test_launch_on_the_cpu_is_a_complete_run(heads_model):
         torch.testing.assert_close(value, want[name])
 
 
+def read_on_another_stream(launched, dev: Device) -> dict[str, torch.Tensor]:
+    """A launched run's outputs as a reader on a stream of its own takes them: it waits for the
+    run (Launched.wait), copies them, and the host waits for that copy."""
+    reader = torch.cuda.Stream(dev.torch)
+    with torch.cuda.stream(reader):
+        launched.wait()
+        got = {k: v.clone() for k, v in launched.outputs.items()}
+    reader.synchronize()
+    return got
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("cuda_graph", [False, True])
 def test_launch_queues_the_model_without_a_host_wait(heads_model, cuda_graph):
@@ -266,11 +277,7 @@ def test_launch_queues_the_model_without_a_host_wait(heads_model, cuda_graph):
         torch.cuda._sleep(200_000_000)  # ~0.1 s of spinning ahead of the model on its stream
     launched = engine.launch(x, slot=0)
     assert not launched.complete and not launched.finished.query()  # returned before the model ran
-    reader = torch.cuda.Stream(dev.torch)
-    with torch.cuda.stream(reader):
-        launched.wait()
-        got = {k: v.clone() for k, v in launched.outputs.items()}
-    reader.synchronize()
+    got = read_on_another_stream(launched, dev)
     assert 0 < launched.seconds() < 0.1  # the model's own time: the spin ran before its first event
     for name in want:
         torch.testing.assert_close(got[name], want[name])
@@ -322,11 +329,7 @@ def test_the_model_waits_on_the_gpu_for_its_input_to_be_written(heads_model, cud
     launched = engine.launch(late, slot=0)
     assert late.readers == [engine.stream.cuda_stream]
     assert not late.written.query()  # launch returned while the input was still unwritten
-    reader = torch.cuda.Stream(dev.torch)
-    with torch.cuda.stream(reader):
-        launched.wait()
-        got = {k: v.clone() for k, v in launched.outputs.items()}
-    reader.synchronize()
+    got = read_on_another_stream(launched, dev)
     for name in want:
         torch.testing.assert_close(got[name], want[name])
 
