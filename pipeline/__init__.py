@@ -6,20 +6,21 @@
         print(result.path, result.boxes_xyxy, result.scores)
 """
 
-__version__ = "0.1.0"
+from ._version import __version__
+
 __all__ = ["Detector", "ImageResult", "ImageError", "DeviceDetections", "load_config"]
 
 
 def __getattr__(name: str):
     # Lazy: `import pipeline` (and `gpudet --help`) stays fast; torch/DALI/ORT load on first use.
-    if name in ("Detector", "ImageResult"):
-        from . import detector
+    if name == "Detector":
+        from .detector import Detector
 
-        return getattr(detector, name)
-    if name == "ImageError":
-        from .source import ImageError
+        return Detector
+    if name in ("ImageResult", "ImageError"):
+        from . import results
 
-        return ImageError
+        return getattr(results, name)
     if name == "DeviceDetections":
         from .postprocess import DeviceDetections
 

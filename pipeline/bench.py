@@ -32,11 +32,13 @@ from pathlib import Path
 import numpy as np
 
 from .config import Config
-from .detector import Detector, StageClock, engine_args, preprocess_stream
+from .detector import Detector
 from .engine import SCALAR_INPUTS
-from .preprocess import Preprocessor
-from .sinks import JsonlWriter, detection_records
-from .source import EncodedImage, ImageError, ImageRef, list_images, read_checked
+from .preprocess import Preprocessor, preprocess_stream
+from .results import ImageError, ImageRef
+from .sinks import OutputFolder, detection_records
+from .source import EncodedImage, list_images, read_checked
+from .timing import StageClock
 
 
 def naive_images_per_s(refs: list[ImageRef], detector: Detector) -> float:
@@ -51,7 +53,9 @@ def naive_images_per_s(refs: list[ImageRef], detector: Detector) -> float:
     providers = engine.session.get_providers()
     session = ort.InferenceSession(str(detector.model_path), providers=providers)
     names = {i.name for i in session.get_inputs()}
-    scalars = {k: np.array([v], SCALAR_INPUTS[k]) for k, v in engine_args(config)["scalars"].items() if k in names}
+    t = detector.thresholds
+    scalars = {k: np.array([v], SCALAR_INPUTS[k]) for k, v in [("score_threshold", t.score_threshold),
+               ("iou_threshold", t.iou_threshold), ("max_detections", t.max_detections)] if k in names}
     mean, std = np.array(p.mean, np.float32), np.array(p.std, np.float32)
 
     def one(path: str) -> None:
@@ -103,19 +107,18 @@ def gpudet_passes(refs: list[ImageRef], detector: Detector, passes: int = 1, *,
     """The pipeline as `gpudet detect` runs it: read, DALI, ORT, postprocess, JSONL records, timed
     over `refs` `passes` times after one warm-up batch (warm_up=False: the caller ran one). Per
     pass: images/s and {stage: seconds the loop waited on it, gpu_utilisation_percent}."""
-    labels = detector.config.model.labels
     if warm_up:
-        list(detector.stream(refs[:detector.config.run.batch_size], lambda errors: None))
+        list(detector.stream(refs[:detector.batch_size], lambda errors: None))
     runs = []
     for _ in range(passes):
         clock = StageClock()
         with tempfile.TemporaryDirectory() as tmp, \
                 GpuUtilisation(detector.device.index if detector.device.is_cuda else None) as gpu:
             start = time.perf_counter()
-            with JsonlWriter(Path(tmp) / "detections.jsonl") as out:
-                for batch, found in detector.stream(refs, lambda errors: None, clock=clock):
+            with OutputFolder(tmp).writing() as out:
+                for batch, found in detector.stream(refs, out.fail, clock=clock):
                     with clock("write"):
-                        out.append(detection_records(batch, found, labels))
+                        out.record(detection_records(batch.refs, batch.orig_hw, found, detector.labels))
             rate = len(refs) / (time.perf_counter() - start)
         runs.append((rate, {**{k: round(v, 4) for k, v in clock.seconds.items()}, "gpu_utilisation_percent": gpu.mean}))
     return runs
@@ -154,7 +157,7 @@ def dali_images_per_s(items: list[EncodedImage], preprocessor: Preprocessor, in_
 def latency_ms(refs: list[ImageRef], config: Config, count: int) -> dict:
     """One image at a time through a batch-1 detector: read, DALI, ORT, postprocess, detections on
     the host. Percentiles of the per-image wall time, after 3 warm-up images."""
-    detector = Detector(dataclasses.replace(config, run=dataclasses.replace(config.run, batch_size=1)))
+    detector = Detector.from_config(dataclasses.replace(config, run=dataclasses.replace(config.run, batch_size=1)))
     times = []
     for i, ref in enumerate((refs * (1 + (count + 3) // max(1, len(refs))))[:count + 3]):
         start = time.perf_counter()
@@ -202,7 +205,7 @@ def code_version() -> dict:
     """Which gpudet made the numbers: its version, the folder it was imported from, and the git
     commit when that folder's parent is a checkout's root ("+" after it: uncommitted changes to
     tracked files). None for an installed wheel or a copy of the package outside a checkout."""
-    from . import __version__
+    from ._version import __version__
 
     root = Path(__file__).resolve().parent.parent
     commit = None
@@ -232,7 +235,7 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
     # CUDA graphs, the compiled postprocess) and the first batch (DALI's start, the decoder's), which
     # is also the passes' warm-up.
     start = time.perf_counter()
-    detector = Detector(config)
+    detector = Detector.from_config(config)
     setup = {"detector": time.perf_counter() - start}
     config = detector.config  # a model with a static batch size has set run.batch_size
     start = time.perf_counter()

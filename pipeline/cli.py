@@ -1,7 +1,6 @@
 """Command line: `gpudet detect | bench | inspect | eval | export-coco | draw` (also `python -m pipeline ...`).
 
-Exit codes: 0 every image processed; 3 finished, some images failed (see errors.jsonl);
-2 bad usage, config, source, model or device; 1 internal error; 130 interrupted.
+It parses and dispatches; exit codes and error messages are errors.py's.
 """
 
 from __future__ import annotations
@@ -10,14 +9,11 @@ import argparse
 import json
 import logging
 import shlex
-import signal
 import sys
-import time
-import traceback
 
-from . import __version__
+from ._version import __version__
+from .errors import EXIT_OK, ConfigError, guarded, setup_logging
 
-EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 log = logging.getLogger("gpudet")
 
 
@@ -100,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
-    from .config import ConfigError, load_config, option_overrides
+    from .config import load_config, option_overrides
     from .runner import run_detect
 
     overrides = args.overrides + option_overrides(model=args.model, device=args.device, batch_size=args.batch_size)
@@ -215,28 +211,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)), "level": record.levelname,
-                 "logger": record.name, "message": record.getMessage()}
-        if hasattr(record, "summary"):
-            entry["summary"] = record.summary
-        return json.dumps(entry)
-
-
-def setup_logging(level: str, as_json: bool, quiet: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if as_json else logging.Formatter("gpudet: %(levelname)s: %(message)s"))
-    root = logging.getLogger("gpudet")
-    root.handlers[:] = [handler]
-    root.setLevel("ERROR" if quiet and level == "WARNING" else level)
-    root.propagate = False
-
-
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -245,27 +219,3 @@ def main(argv: list[str] | None = None) -> int:
                 "inspect": cmd_inspect, "bench": cmd_bench}
     return guarded(lambda: commands[args.command](args))
 
-
-def guarded(run) -> int:
-    """Run a command, mapping what can go wrong to the documented exit codes."""
-    from .config import ConfigError
-    from .detector import GpuOutOfMemory
-    from .device import DeviceError
-    from .engine import ModelError
-    from .runner import OutputExistsError
-    from .source import SourceError
-
-    # SIGTERM (a scheduler stopping the job) stops as cleanly as Ctrl-C: whole records, a summary.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    try:
-        return run()
-    except (ConfigError, DeviceError, ModelError, SourceError, OutputExistsError, GpuOutOfMemory) as e:
-        log.error("%s", e)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        log.error("interrupted")
-        return EXIT_INTERRUPTED
-    except Exception:
-        traceback.print_exc()
-        log.error("internal error (exit 1); please report it with the traceback above")
-        return EXIT_INTERNAL

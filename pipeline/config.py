@@ -1,8 +1,8 @@
 """Typed, strict configuration: YAML file -> dataclasses, with `--set key=value` overrides.
 
 Every key is declared here with its type and default; an unknown key, a wrong type or an invalid
-value raises ConfigError naming the key. Only `load_config` and the `*_args` translators in the
-stage modules read this; the stages themselves take plain keyword arguments.
+value raises ConfigError naming the key. `Detector.from_config` is the one place that turns a
+Config into the stages' arguments; the stages themselves take plain keyword arguments.
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration problem the user can fix; the message names the key or file."""
+from .errors import ConfigError
 
 
 @dataclass
@@ -61,8 +59,8 @@ class PreprocessConfig:
     0 turns the check off."""
     hw_decoder_load: float = 0.9
     """decoder auto on a GPU with a hardware JPEG decoder (A100, H100, H200): the share of each
-    batch's JPEGs it decodes (DALI's hw_decoder_load); nvJPEG decodes the rest on the GPU's SMs.
-    DALI alone on the H200: 8,884 img/s at 0.9 against 5,934 at DALI's default 0.65."""
+    batch's JPEGs it decodes (DALI's hw_decoder_load; its default is 0.65, slower on the H200:
+    docs/BENCHMARKS.md); nvJPEG decodes the rest on the GPU's SMs."""
 
 
 @dataclass
@@ -76,8 +74,9 @@ class PostprocessConfig:
     """ssd_heads: candidates per image that enter NMS (best scores above the threshold)."""
     compile: bool = False
     """Raw-heads models on a GPU: fuse the postprocess (decode, top-k, IoU, NMS steps) into Triton
-    kernels with torch.compile. Costs compile time at startup (cached on disk, reused by later runs);
-    falls back to the plain kernels, with a warning, where compiling fails."""
+    kernels with torch.compile. The detector's setup waits for the compile (tens of seconds; less
+    once inductor's cache on disk has it), so it pays off on long jobs only; falls back to the
+    plain kernels, with a warning, where compiling fails."""
 
 
 @dataclass
@@ -86,16 +85,8 @@ class RunConfig:
     device: str = "auto"
     """auto | cpu | cuda | cuda:N. cuda without a usable GPU is an error, never a silent fallback."""
     num_threads: int = 4
-    """DALI worker threads (CPU decode and CPU-side operators) and file reader threads."""
-    read_processes: int = 0
-    """Worker processes that read and check the files, one batch each in turn, kept by the
-    Detector from stream to stream; 0 reads on num_threads threads of this process. A reading
-    thread waits for the interpreter after every system call, up to Python's switch interval
-    (5 ms) while another thread runs Python: beside a thread encoding JSON, 4 threads read 398-439
-    img/s, 2 processes 2,233-3,023 (2 cores, `scripts/probe_read.py`, docs/BENCHMARKS.md). On the
-    H200 (RetinaFace fused config) 2 processes were slower than threads: 2,542-3,187 against
-    3,115-5,371 img/s with their start-up in the pass, 4,912-5,375 against 5,395-5,950 with the
-    processes kept (a later machine start); keep 0. Linux only (elsewhere: threads)."""
+    """DALI's CPU threads (CPU decoding and CPU-side operators) and the file-reading threads. PNG
+    and other non-JPEG formats decode on the CPU: raise it for PNG-heavy sets."""
     prefetch_batches: int = 2
     """Batches DALI preprocesses ahead of the one the engine takes (each one more holds a batch
     of encoded and decoded images and its model input in memory)."""
@@ -108,15 +99,13 @@ class RunConfig:
     """Cap on ONNX Runtime's CUDA memory arena, in MiB (0: no cap). DALI's buffers are separate."""
     prefer_nhwc: bool = False
     """ONNX Runtime CUDA EP option prefer_nhwc: convolutions in channels-last (NHWC) layout, where
-    the tensor cores want it. RetinaNet R50 fp16 on the H200: 556 vs 472 img/s (docs/BENCHMARKS.md)."""
+    the tensor cores want it."""
     fuse_conv_bias: bool = False
     """ONNX Runtime CUDA EP option fuse_conv_bias: each convolution's bias added inside cuDNN's
     convolution kernel (a runtime-fused cuDNN graph) instead of by a kernel of its own after it.
-    RetinaNet R50 fp16 NHWC on the H200: 19.96 vs 27.62 ms per batch of 16 (the separate bias
-    kernels were 11.1 of 26.7 ms of device time), same detections as the CPU's. Off by default:
-    on the same GPU it broke the RetinaFace model (hundreds of faces in a photo where the CPU
-    finds one); turn it on only for a model whose GPU results you have compared with the CPU's
-    (docs/BENCHMARKS.md). Needs prefer_nhwc (in NCHW cuDNN found no fused kernel for RetinaNet's stem)."""
+    Needs prefer_nhwc (in NCHW cuDNN finds no fused kernel for a 3-channel stem). Compare a model's
+    GPU detections with the CPU's before turning it on (the shipped configs that set it are tested
+    that way on a GPU)."""
     tf32: bool = True
     """Let the CUDA EP run float32 convolutions and matmuls on TF32 tensor cores (ORT's default):
     faster, with ~1e-3 relative error. false for float32 results that match the CPU's closely."""
@@ -125,19 +114,12 @@ class RunConfig:
     cuda_graph: bool = False
     """ONNX Runtime's CUDA graph for the model (GPU only): its kernels captured once and replayed,
     the batch size fixed at load, one device-to-device copy of each batch into the graph's input
-    buffer. Needs a model with static output shapes (a heads contract). RetinaFace heads fp16 on
-    the H200: 4.0 vs 4.3 ms per batch of 32 (docs/BENCHMARKS.md). No out-of-memory retry."""
+    buffer. Needs a model with static output shapes (a heads contract). No out-of-memory retry."""
     worker_restarts: int = 2
     """--devices: a worker that dies (killed by a signal or aborted, as by a CUDA fault: the
     process cannot continue, nothing is lost since results are flushed per batch) is started again
     on its images not yet recorded, up to this many times, while each run records something. A
     worker that exits with an error of gpudet's (a bad config, model or device) is not restarted."""
-    gil_switch_interval_ms: float | None = None
-    """Python's thread switch interval (`sys.setswitchinterval`) while a detector streams, restored
-    after; null leaves the interpreter's (5 ms by default). The engine and postprocess threads
-    wait for the interpreter after each ORT run or device wait, up to this long when another
-    thread is running Python. A lead, one run each on the H200 (docs/BENCHMARKS.md): RetinaFace
-    fp16 4,421 img/s at 0.5 ms against 4,065-4,195 at the default."""
 
 
 @dataclass
@@ -175,17 +157,14 @@ class Config:
         need(len(m.box_variances) == 2, "model.box_variances", "needs [center, size]")
         need(self.run.batch_size > 0, "run.batch_size", "must be > 0")
         need(self.run.num_threads > 0, "run.num_threads", "must be > 0")
-        need(self.run.read_processes >= 0, "run.read_processes", "must be >= 0 (0: threads)")
         need(self.run.worker_restarts >= 0, "run.worker_restarts", "must be >= 0 (0: never restart a worker)")
         need(self.run.prefetch_batches > 0, "run.prefetch_batches", "must be > 0")
         need(self.run.pipeline_depth >= 2, "run.pipeline_depth", "must be >= 2 (the postprocess of one batch "
              "overlaps the model on the next)")
         need(self.run.gpu_mem_limit_mb >= 0, "run.gpu_mem_limit_mb", "must be >= 0 (0: no cap)")
         need(self.run.prefer_nhwc or not self.run.fuse_conv_bias, "run.fuse_conv_bias",
-             "needs run.prefer_nhwc: true (on the H200 cuDNN had no fused kernel for RetinaNet's NCHW "
-             "3-channel stem: the first batch failed); set prefer_nhwc, or fuse_conv_bias: false")
-        need(self.run.gil_switch_interval_ms is None or self.run.gil_switch_interval_ms > 0,
-             "run.gil_switch_interval_ms", "must be > 0, or null to leave Python's")
+             "needs run.prefer_nhwc: true (in NCHW cuDNN has no fused kernel for a 3-channel stem); set "
+             "prefer_nhwc, or fuse_conv_bias: false")
         need(self.model.landmarks >= 0, "model.landmarks", "must be >= 0")
         need(len(self.model.labels) > 0, "model.labels", "needs at least one name")
 

@@ -7,9 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-class DeviceError(RuntimeError):
-    """The requested device cannot be used; says why and what to do."""
+from .errors import DeviceError
 
 
 @dataclass(frozen=True)

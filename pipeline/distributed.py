@@ -15,16 +15,16 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import Counter
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
-from . import __version__
-from .config import Config, ConfigError
-from .runner import RESULT_FILES, RunResult, images_to_do
-from .sinks import JsonlWriter, write_json_atomic
-from .source import ImageRef, list_images
+from .config import Config
+from .errors import ConfigError
+from .results import ImageError, ImageRef
+from .sinks import OutputFolder, RunResult, detection_records
+from .source import list_images
 
 
 class DetectActor:
@@ -33,16 +33,14 @@ class DetectActor:
     def __init__(self, config: Config):
         from .detector import Detector
 
-        self.detector = Detector(config)
+        self.detector = Detector.from_config(config)
         self.labels = config.model.labels
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from .sinks import detection_records
-
         refs = [ImageRef(int(i), str(p)) for i, p in zip(batch["index"], batch["path"], strict=True)]
         kinds, records, errors = [], [], []
         for preprocessed, found in self.detector.stream(refs, errors.extend):
-            for record in detection_records(preprocessed, found, self.labels):
+            for record in detection_records(preprocessed.refs, preprocessed.orig_hw, found, self.labels):
                 kinds.append("detection")
                 records.append(json.dumps(record, ensure_ascii=False))
         for error in errors:
@@ -60,11 +58,10 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
         import ray
     except ImportError:
         raise ConfigError("--ray needs Ray Data: pip install 'gpudet[ray]' (or 'ray[data]')") from None
-    started = time.perf_counter()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    started_at, started = datetime.now(timezone.utc), time.perf_counter()
+    folder = OutputFolder(out_dir, resume=resume, overwrite=overwrite)
     refs = list_images(source, root=root)
-    todo = images_to_do(out, refs, resume=resume, overwrite=overwrite)
+    todo = folder.todo(refs)
     started_here = not ray.is_initialized()
     ray.init(address=address, ignore_reinit_error=True, include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING, **({} if address else {"num_cpus": max(4, 2 * workers)}))
@@ -79,38 +76,24 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
                                    batch_size=config.run.batch_size, compute=ray.data.ActorPoolStrategy(size=workers),
                                    num_gpus=gpus_per_worker, num_cpus=1, batch_format="numpy")
     seen: set[int] = set()
-    counts: Counter = Counter()
-    reasons: Counter = Counter()
     from tqdm import tqdm
 
-    with JsonlWriter(out / RESULT_FILES[0], append=resume) as results, \
-            JsonlWriter(out / RESULT_FILES[1], append=resume) as errors, \
-            tqdm(total=len(todo), unit="img", disable=not progress, dynamic_ncols=True) as bar:
+    with folder.writing(), tqdm(total=len(todo), unit="img", disable=not progress, dynamic_ncols=True) as bar:
         for batch in detected.iter_batches(batch_size=None, batch_format="numpy"):
             rows = [(kind, json.loads(text)) for kind, text in zip(batch["kind"], batch["record"], strict=True)]
             fresh = [(kind, r) for kind, r in rows if r["index"] not in seen]
             seen.update(r["index"] for _, r in fresh)
-            results.append([r for kind, r in fresh if kind == "detection"])
-            errors.append([r for kind, r in fresh if kind == "error"])
-            for kind, r in fresh:
-                counts[kind] += 1
-                counts["objects"] += len(r.get("detections", []))
-                if kind == "error":
-                    reasons[r["reason"]] += 1
+            folder.record([r for kind, r in fresh if kind == "detection"])
+            folder.fail([ImageError(**r) for kind, r in fresh if kind == "error"])
             bar.update(len(fresh))
     if started_here:
         ray.shutdown()
     elapsed = time.perf_counter() - started
-    summary = {
-        "gpudet": __version__, "source": str(source), "out": str(out), "ray": address or "local",
-        "actors": workers, "gpus_per_actor": gpus_per_worker, "device": f"ray ({workers} actors)",
-        "images": len(refs), "already_done": len(refs) - len(todo), "processed": counts["detection"],
-        "failed": counts["error"], "failed_by_reason": dict(reasons), "detections": counts["objects"],
-        "interrupted": False, "seconds": {"total": round(elapsed, 4)},
-        "images_per_s": round(len(seen) / max(elapsed, 1e-9), 2),
-    }
-    write_json_atomic(out / "summary.json", summary)
+    summary = folder.write_summary(
+        source=str(source), images=len(refs), todo=len(todo), device=f"ray ({workers} actors)",
+        seconds={"total": elapsed}, loop_seconds=elapsed, started=started_at, config=config.to_dict(),
+        extra={"ray": address or "local", "actors": workers, "gpus_per_actor": gpus_per_worker})
     missing = len(todo) - len(seen)
     if missing:
         raise RuntimeError(f"Ray returned no record for {missing} images; run again with --resume")
-    return RunResult(summary=summary, exit_code=3 if counts["error"] else 0)
+    return RunResult(summary, folder.tally.exit_code)

@@ -15,8 +15,8 @@ Threads: every ORT run goes through the engine's own thread (`Engine.submit`; `r
 another thread waits for it there). ORT keeps a CUDA graph, and cuDNN/cuBLAS handles, per calling
 thread (the CUDA EP's per-thread context): a graph captured at warm-up on one thread is not
 replayed by runs from another, which would capture again, in the middle of the pipeline, beside
-the postprocess thread's work (seen on the H200: the capture failed). ORT releases the GIL for a
-whole run, so the caller's thread does Python work meanwhile.
+the postprocess thread's work, where the capture fails. ORT releases the GIL for a whole run, so
+the caller's thread does Python work meanwhile.
 
 Stream ordering: ORT's CUDA EP computes on the engine's own stream (`Engine.stream`, handed to
 ORT as `user_compute_stream`). `run` synchronizes it before returning (ORT's default): the
@@ -37,6 +37,7 @@ engine's stream would not wait for them.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,6 +49,7 @@ import onnxruntime as ort
 import torch
 
 from .device import Device
+from .errors import GpuOutOfMemory, ModelError
 
 ORT_TO_TORCH = {
     "tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(int64)": torch.int64,
@@ -60,9 +62,7 @@ SCALAR_INPUTS = {"score_threshold": np.float32, "iou_threshold": np.float32, "ma
 
 KDL_CUDA = 2  # DLPack's device type for CUDA memory (DLDeviceType.kDLCUDA)
 
-
-class ModelError(ValueError):
-    """The model cannot be used by gpudet; the message lists what was found and what was expected."""
+log = logging.getLogger("gpudet")
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,8 @@ class Engine:
 
     def __init__(self, model_path: str | Path, *, device: Device, scalars: dict[str, float | int],
                  input_size_hw: tuple[int, int] | None = None, batch_size: int | None = None,
-                 cuda_options: dict[str, str] | None = None, cuda_graph: bool = False, slots: int = 2):
+                 cuda_options: dict[str, str] | None = None, cuda_graph: bool = False, slots: int = 2,
+                 oom_retry: bool = True):
         """input_size_hw: for a model whose image input has symbolic height/width, fix them (ORT
         free-dimension overrides) so shape arithmetic folds into constants at load time instead of
         running on the host each batch (Memcpy nodes on the CUDA EP). batch_size: the same for a
@@ -159,7 +160,10 @@ class Engine:
         batch in the model) and outputs whose shape the batch size decides.
 
         slots: the sets of output buffers the caller fills in turn (run.pipeline_depth); with
-        cuda_graph each is captured at warm-up."""
+        cuda_graph each is captured at warm-up.
+
+        oom_retry: on GPU out-of-memory, run each batch in parts of half as many images (down to
+        one) from then on (`run_batch`); not with a fixed batch size or a CUDA graph."""
         self.model_path = Path(model_path)
         self.device = device
         self.stream = torch.cuda.Stream(device.torch) if device.is_cuda else None
@@ -169,6 +173,9 @@ class Engine:
         self._thread = self._executor.submit(threading.current_thread).result()
         self.cuda_options = cuda_options or {}
         self.slots = slots
+        self.oom_retry = oom_retry
+        self.run_batch: int | None = None
+        """Images per ORT run after a GPU out-of-memory; None: the whole batch in one run."""
         check_external_data(self.model_path)
         # A first, unoptimized CPU session only reads the inputs (it is cheap; the real session
         # depends on them through the dimension overrides).
@@ -296,8 +303,8 @@ class Engine:
         return self._executor.submit(fn, *args)
 
     def warm_up(self, batch_size: int, size_hw: tuple[int, int]) -> None:
-        """Run once on a zero batch of the input's shape, so the CUDA EP's one-time work (cuDNN
-        algorithm search, ~2 s for RetinaFace on the H200) happens at setup, not on the first batch."""
+        """Run once on a zero batch of the input's shape, so the CUDA EP's one-time work (cuDNN's
+        algorithm search, seconds) happens at setup, not on the first batch."""
         if not self.device.is_cuda:
             return
         zeros = self.zero_batch(batch_size, size_hw)
@@ -346,6 +353,50 @@ class Engine:
         return self._run_options[key]
 
     def _launch(self, images, slot: int, synchronize: bool) -> Launched:
+        """The batch in one run; after a GPU out-of-memory, in parts (the out-of-memory policy)."""
+        while True:
+            try:
+                if self.run_batch is None:
+                    return self._run_once(images, slot, synchronize)
+                return self._run_in_parts(images, slot)
+            except Exception as e:
+                if not (self.device.is_cuda and is_out_of_memory(e)):
+                    raise
+                self._shrink(e, rows=_rows(images))
+
+    def _shrink(self, error: Exception, *, rows: int) -> None:
+        """After a GPU out-of-memory on `rows` images: halve the images per run (run.oom_retry),
+        down to one, or say what would help."""
+        now = min(self.run_batch or rows, rows)
+        fixed = self.image_input.batch is not None
+        if fixed or self.cuda_graph or not self.oom_retry or now == 1:
+            why = "export the model with a smaller batch (its batch size is fixed)" if fixed else \
+                "lower --batch-size" + (" (run.cuda_graph runs whole batches only)" if self.cuda_graph else "")
+            raise GpuOutOfMemory(f"GPU out of memory running the model on {now} image(s) at once on {self.device}: "
+                                 f"{why}, raise run.gpu_mem_limit_mb, or free the GPU ({error})") from error
+        self.run_batch = max(1, now // 2)
+        log.warning("GPU out of memory: running the model on %d images at a time from now on", self.run_batch)
+        torch.cuda.empty_cache()
+
+    def _run_in_parts(self, images, slot: int) -> Launched:
+        """The batch in runs of run_batch images (zero-copy views of it), waited for one by one.
+        Static outputs land in their rows of the slot's whole-batch buffers; dynamic ones are
+        joined, an output named batch_index (the end_to_end contract) offset by each part's first row."""
+        whole = torch.from_dlpack(self._dlpack(images))
+        buffers = self.static_buffers(len(whole), slot)
+        dynamic: dict[str, list[torch.Tensor]] = {}
+        for start in range(0, len(whole), self.run_batch):
+            part = whole[start:start + self.run_batch]
+            rows = {name: buffer[start:start + len(part)] for name, buffer in buffers.items()}
+            for name, value in self._run_once(part, slot, True, into=rows).outputs.items():
+                if name not in buffers:
+                    dynamic.setdefault(name, []).append(value + start if name == "batch_index" else value)
+        outputs = {**buffers, **{name: torch.cat(parts) for name, parts in dynamic.items()}}
+        return Launched(outputs, None, None, complete=True, device=self.device.torch)
+
+    def _run_once(self, images, slot: int, synchronize: bool,
+                  into: dict[str, torch.Tensor] | None = None) -> Launched:
+        """One ORT run; static outputs into `into`, or the slot's buffers for this batch size."""
         started = None
         if self.device.is_cuda:
             started = torch.cuda.Event(enable_timing=True)
@@ -356,7 +407,7 @@ class Engine:
             raise ModelError(f"{self.model_path}: the model takes batches of exactly {self.image_input.batch} images, "
                              f"not {batch_size}")
         self.binding.bind_ortvalue_input(self.image_input.name, value)
-        buffers = self.static_buffers(batch_size, slot)
+        buffers = into if into is not None else self.static_buffers(batch_size, slot)
         for spec in self.outputs:
             if spec.name in buffers:
                 buf = buffers[spec.name]
@@ -375,6 +426,12 @@ class Engine:
             finished = torch.cuda.Event(enable_timing=True)
             finished.record(self.stream)
         return Launched(results, started, finished, complete=synchronize, device=self.device.torch)
+
+
+def _rows(images) -> int:
+    """The batch size of a DALI tensor (shape() is a method), a torch tensor or a numpy array."""
+    shape = images.shape
+    return int((shape() if callable(shape) else shape)[0])
 
 
 @dataclass
@@ -401,3 +458,40 @@ class Launched:
         if self.started is None or not self.finished.query():
             return None
         return self.started.elapsed_time(self.finished) / 1000
+
+
+# Output contracts: name -> (required outputs, optional outputs), each name -> rank. Ranks are what
+# recognising a contract checks; names are how the outputs are found (README, "Model contract").
+CONTRACTS = {
+    "end_to_end": ({"boxes": 2, "scores": 1, "batch_index": 1}, {"labels": 1, "landmarks": 2}),
+    "ssd_heads": ({"loc": 3, "conf": 3}, {"landmarks": 3}),
+    "retinanet_heads": ({"cls_logits": 3, "bbox_regression": 3}, {}),
+}
+
+
+def detect_contract(outputs: list[TensorSpec], requested: str, model_path: Path) -> str:
+    """Which output contract the model follows; `requested` is the config's model.contract."""
+    by_name = {s.name: s for s in outputs}
+
+    def fits(required: dict, optional: dict) -> bool:
+        return all(n in by_name and len(by_name[n].shape) == r for n, r in required.items()) and all(
+            len(by_name[n].shape) == r for n, r in optional.items() if n in by_name)
+
+    for name, (required, optional) in CONTRACTS.items():
+        if requested in ("auto", name) and fits(required, optional):
+            return name
+    expected = "; ".join(
+        f"{name}: " + ", ".join(f"{n} (rank {r})" for n, r in required.items()) +
+        (", optional " + ", ".join(f"{n} (rank {r})" for n, r in optional.items()) if optional else "")
+        for name, (required, optional) in CONTRACTS.items() if requested in ("auto", name))
+    raise ModelError(f"{model_path}: outputs do not fit the {requested} contract. Found: {describe_io(outputs)}. "
+                     f"Expected {expected}.")
+
+
+def is_out_of_memory(error: Exception) -> bool:
+    """Whether a failed model run ran out of GPU memory: torch's error, CUDA's "out of memory",
+    or ORT's CUDA EP and its capped arena ("Available memory of N is smaller than requested bytes
+    of M" under run.gpu_mem_limit_mb)."""
+    text = str(error).lower()
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in text or \
+        "failed to allocate memory" in text or "is smaller than requested bytes" in text

@@ -13,8 +13,9 @@ import onnxruntime as ort
 import torch
 
 from .device import _cuda_problem
-from .engine import ORT_TO_TORCH, TORCH_TO_NUMPY, ModelError, TensorSpec, check_external_data, find_image_input
-from .postprocess import RETINANET_METADATA, detect_contract
+from .engine import ORT_TO_TORCH, TORCH_TO_NUMPY, TensorSpec, check_external_data, detect_contract, find_image_input
+from .errors import ModelError
+from .postprocess import RETINANET_METADATA
 
 
 def declared_io(model_path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:

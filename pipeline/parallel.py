@@ -19,23 +19,23 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
-import os
 import re
 import shutil
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from . import __version__
 from .config import Config
-from .device import DeviceError
-from .runner import RESULT_FILES, RunResult, images_to_do, process, read_complete_records, recorded, \
-    write_json_atomic
-from .source import ImageRef, list_images
+from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, DeviceError, guarded, \
+    setup_logging
+from .results import ImageRef
+from .runner import detect_into
+from .sinks import RESULT_FILES, OutputFolder, RunResult, Tally, recorded
+from .source import list_images
 
 log = logging.getLogger("gpudet")
 
@@ -62,14 +62,12 @@ def parse_devices(text: str) -> list[str]:
     return devices
 
 
-def _worker(todo: list[ImageRef], out: str, config: Config, source: str, images: int) -> None:
-    """One worker process: the single-device run over its share, exit code as `gpudet detect`'s."""
-    from .cli import guarded, setup_logging
-
-    setup_logging("WARNING", False, False)
-    Path(out).mkdir(parents=True, exist_ok=True)
-    code = guarded(lambda: process(todo, Path(out), config, append=True, progress=False, source=source,
-                                   images=images).exit_code)
+def _worker(todo: list[ImageRef], shard: str, config: Config, source: str, images: int) -> None:
+    """One worker process: the single-device run over its share, appended to its shard; exit
+    code as `gpudet detect`'s."""
+    setup_logging("WARNING")
+    code = guarded(lambda: detect_into(OutputFolder(shard, resume=True), todo, config, source=source,
+                                       images=images, progress=False).exit_code)
     sys.exit(code)
 
 
@@ -79,27 +77,6 @@ def _lines(path: Path) -> int:
             return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
     except FileNotFoundError:
         return 0
-
-
-def merge_results(out: Path, shards: list[Path], tally: Callable[[str, dict], None] = lambda name, record: None
-                  ) -> dict[str, int]:
-    """Rewrite out/{detections,errors}.jsonl as the union, by image index, of what they held and
-    what the shards hold; streamed, replaced atomically. Returns records per file; `tally` sees
-    each record kept, with its file's name."""
-    counts = {}
-    for name in RESULT_FILES:
-        seen: set[int] = set()
-        tmp = out / (name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as merged:
-            for path in [out / name] + [shard / name for shard in shards]:
-                for record in read_complete_records(path):
-                    if record["index"] not in seen:
-                        seen.add(record["index"])
-                        tally(name, record)
-                        merged.write(json.dumps(record, ensure_ascii=False) + "\n")
-        os.replace(tmp, out / name)
-        counts[name] = len(seen)
-    return counts
 
 
 @dataclass
@@ -116,26 +93,24 @@ class Worker:
     """Images of the share not yet recorded when the current process started."""
     exit_codes: list[int] = field(default_factory=list)
     ended: bool = False
-    processed: int = 0
-    failed: int = 0
-    detections: int = 0
+    tally: Tally = field(default_factory=Tally)
+    """What the merge found of its share."""
 
 
 def run_on_devices(source: str, out_dir: str | Path, config: Config, devices: list[str], *, root: str | None = None,
                    progress: bool | None = None, resume: bool = False, overwrite: bool = False) -> RunResult:
     """`gpudet detect --devices ...`: one worker per device, results merged into out_dir."""
-    started = time.perf_counter()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    shards = [out / "shards" / str(k) for k in range(len(devices))]
+    started_at, started = datetime.now(timezone.utc), time.perf_counter()
+    folder = OutputFolder(out_dir, resume=resume, overwrite=overwrite)
+    shards = [folder.path / "shards" / str(k) for k in range(len(devices))]
     if overwrite:
-        shutil.rmtree(out / "shards", ignore_errors=True)
+        shutil.rmtree(folder.path / "shards", ignore_errors=True)
     refs = list_images(source, root=root)
-    earlier = sorted((out / "shards").glob("*/*.jsonl")) if (out / "shards").is_dir() else []
-    todo = images_to_do(out, refs, resume=resume, overwrite=overwrite, also=earlier)
+    earlier = sorted((folder.path / "shards").glob("*/*.jsonl")) if (folder.path / "shards").is_dir() else []
+    todo = folder.todo(refs, also=earlier)
     if overwrite:
-        for name in RESULT_FILES:
-            (out / name).unlink(missing_ok=True)
+        for path in folder.files:
+            path.unlink(missing_ok=True)
     context = multiprocessing.get_context("spawn")
 
     def start(worker: Worker, images: list[ImageRef]) -> None:
@@ -171,21 +146,15 @@ def run_on_devices(source: str, out_dir: str | Path, config: Config, devices: li
         start(worker, worker.share)
     _wait_with_progress(workers, len(todo), progress, restarted)
     owner = {r.index: w for w in workers for r in w.share}
-    failed_by_reason: Counter = Counter()
 
-    def tally(name: str, record: dict) -> None:
+    def count(name: str, record: dict) -> None:
         worker = owner.get(record["index"])
-        if worker is None:  # recorded by an earlier run
-            return
-        if name == RESULT_FILES[0]:
-            worker.processed += 1
-            worker.detections += len(record.get("detections") or [])
-        else:
-            worker.failed += 1
-            failed_by_reason[record.get("reason", "unknown")] += 1
+        if worker is not None:  # else recorded by an earlier run
+            worker.tally.count(name, record)
+            folder.tally.count(name, record)
 
-    counts = merge_results(out, [s for s in shards if s.is_dir()], tally)
-    return _summarise(source, out, refs, todo, workers, counts, failed_by_reason, started)
+    folder.merge([s for s in shards if s.is_dir()], count)
+    return _summarise(folder, source, config, refs, todo, workers, started, started_at)
 
 
 def _wait_with_progress(workers: list[Worker], total: int, progress: bool | None,
@@ -218,40 +187,30 @@ def _wait_with_progress(workers: list[Worker], total: int, progress: bool | None
             raise
 
 
-def _summarise(source, out: Path, refs, todo, workers: list[Worker], counts, failed_by_reason: Counter,
-               started) -> RunResult:
-    per_worker, failed_workers = [], []
+def _summarise(folder: OutputFolder, source: str, config: Config, refs: list[ImageRef], todo: list[ImageRef],
+               workers: list[Worker], started: float, started_at: datetime) -> RunResult:
+    per_worker, failed_workers, model = [], [], None
     for worker in workers:
         summary_path = worker.shard / "summary.json"  # its last process's, if that one finished
         s = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        model = model or s.get("model")
         code = worker.exit_codes[-1]
+        t = worker.tally
         per_worker.append({"device": worker.device, "exit_code": code, "exit_codes": worker.exit_codes,
-                           "processed": worker.processed, "failed": worker.failed, "detections": worker.detections,
+                           "processed": t.processed, "failed": t.failed, "detections": t.detections,
                            "images_per_s": s.get("images_per_s")})
-        unrecorded = len(worker.share) - worker.processed - worker.failed
+        unrecorded = len(worker.share) - t.processed - t.failed
         # 3: some images failed, 130: interrupted; 1, 2: an error of gpudet's. Killed (a negative code)
         # after recording its whole share, nothing is missing.
-        if code not in (0, 3, 130) and (code in (1, 2) or unrecorded):
+        if code not in (EXIT_OK, EXIT_SOME_FAILED, EXIT_INTERRUPTED) and (code in (EXIT_INTERNAL, EXIT_USAGE)
+                                                                           or unrecorded):
             failed_workers.append(f"worker {worker.shard.name} on {worker.device} exited with code {code}"
                                   + (f", {unrecorded} of its images not recorded" if unrecorded else ""))
+    folder.tally.interrupted = any(w.exit_codes[-1] == EXIT_INTERRUPTED for w in workers)
     elapsed = time.perf_counter() - started
-    processed = sum(w.processed for w in workers)
-    failed = sum(w.failed for w in workers)
-    summary = {
-        "gpudet": __version__, "source": str(source), "out": str(out), "devices": [w.device for w in workers],
-        "device": ", ".join(w.device for w in workers), "detections": sum(w.detections for w in workers),
-        "images": len(refs), "already_done": len(refs) - len(todo), "processed": processed, "failed": failed,
-        "failed_by_reason": dict(failed_by_reason), "recorded": counts, "workers": per_worker,
-        "restarts": sum(len(w.exit_codes) - 1 for w in workers),
-        "failed_workers": failed_workers, "seconds": {"total": round(elapsed, 4)},
-        "images_per_s": round((processed + failed) / max(elapsed, 1e-9), 2),
-        "interrupted": any(w.exit_codes[-1] == 130 for w in workers),
-    }
-    write_json_atomic(out / "summary.json", summary)
-    if failed_workers:
-        code = 1
-    elif summary["interrupted"]:
-        code = 130
-    else:
-        code = 3 if failed else 0
-    return RunResult(summary=summary, exit_code=code)
+    summary = folder.write_summary(
+        source=str(source), images=len(refs), todo=len(todo), device=", ".join(w.device for w in workers),
+        seconds={"total": elapsed}, loop_seconds=elapsed, started=started_at, model=model, config=config.to_dict(),
+        extra={"devices": [w.device for w in workers], "workers": per_worker,
+               "restarts": sum(len(w.exit_codes) - 1 for w in workers), "failed_workers": failed_workers})
+    return RunResult(summary, EXIT_INTERNAL if failed_workers else folder.tally.exit_code)

@@ -1,98 +1,58 @@
 """Postprocess, on the device: model outputs -> final detections in original image pixels.
 
-The end-to-end contract (the default RetinaFace model, any model with in-graph NMS):
-    boxes        [N, 4]  x1 y1 x2 y2 in model-input pixels
-    scores       [N]
-    batch_index  [N]     int, which image of the batch
-    labels       [N]     int, optional (label 0 when absent)
-    landmarks    [N, 2K] (x, y) pairs in model-input pixels, optional
-N counts the detections of the whole batch. Raw-heads models are decoded and NMS'd here instead:
-SsdHeads (loc/conf, RetinaFace) and RetinaNetHeads (cls_logits/bbox_regression, torchvision's
-RetinaNet). Everything below runs in torch on the outputs' device; the one device-to-host copy
-is of the final, thresholded detections, once per batch.
+One call shape for every output contract (engine.CONTRACTS); what to keep is an argument of the
+call, not of the constructor, so thresholds can change between streams without a new session:
+
+    found = postprocess(outputs, meta, num_images=n, thresholds=Thresholds(...))
+    found.to_host()      # the batch's one device-to-host copy -> results.Detections
+    found.on_device()    # or: DeviceDetections, torch tensors on the device, no host copy
+
+    EndToEnd        a model with in-graph NMS: boxes [N, 4], scores [N], batch_index [N],
+                    optional labels [N], landmarks [N, 2K] (the embedded RetinaFace)
+    SsdHeads        raw SSD heads: loc [B, A, 4], conf [B, A, 2], optional landmarks [B, A, 2K]
+    RetinaNetHeads  torchvision-style heads: cls_logits [B, A, K], bbox_regression [B, A, 4]
+
+meta is `image_meta`, [B, 6]: what maps model-input pixels back to each original image. The
+heads postprocesses have static shapes and no host sync up to their final rows, so on a GPU they
+run as one CUDA graph per set of engine output buffers (GraphCache), and the host reads their
+rows, packed per image, in one copy (BlockReader).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .engine import ModelError, TensorSpec, describe_io
+from .errors import ModelError
 from .nms import NMS_STEPS, batched_nms, exact_nms, top_nms
+from .results import Detections
 
 log = logging.getLogger("gpudet")
 
-# name -> rank. Ranks are what contract detection checks; names are how outputs are found.
-CONTRACTS = {
-    "end_to_end": ({"boxes": 2, "scores": 1, "batch_index": 1}, {"labels": 1, "landmarks": 2}),
-    "ssd_heads": ({"loc": 3, "conf": 3}, {"landmarks": 3}),
-    "retinanet_heads": ({"cls_logits": 3, "bbox_regression": 3}, {}),
-}
+
+@dataclass(frozen=True)
+class Thresholds:
+    """What the postprocess keeps, per image: detections scoring at least `score_threshold`
+    (the heads contracts: above it, as their references do), after NMS at `iou_threshold`, at
+    most `max_detections`, best first."""
+
+    score_threshold: float
+    iou_threshold: float
+    max_detections: int
 
 
-def detect_contract(outputs: list[TensorSpec], requested: str, model_path: Path) -> str:
-    """Which output contract the model follows; `requested` is the config's model.contract."""
-    by_name = {s.name: s for s in outputs}
-
-    def fits(required: dict, optional: dict) -> bool:
-        return all(n in by_name and len(by_name[n].shape) == r for n, r in required.items()) and all(
-            len(by_name[n].shape) == r for n, r in optional.items() if n in by_name)
-
-    for name, (required, optional) in CONTRACTS.items():
-        if requested in ("auto", name) and fits(required, optional):
-            return name
-    expected = "; ".join(
-        f"{name}: " + ", ".join(f"{n} (rank {r})" for n, r in required.items()) +
-        (", optional " + ", ".join(f"{n} (rank {r})" for n, r in optional.items()) if optional else "")
-        for name, (required, optional) in CONTRACTS.items() if requested in ("auto", name))
-    raise ModelError(f"{model_path}: outputs do not fit the {requested} contract. Found: {describe_io(outputs)}. "
-                     f"Expected {expected}.")
-
-
-@dataclass
-class Detections:
-    """Final detections of one batch, on the host. Rows are grouped by image, best score first."""
-
-    batch_index: np.ndarray  # int64 [M]
-    boxes_xyxy: np.ndarray  # float32 [M, 4], original pixels (after EXIF orientation), clipped
-    scores: np.ndarray  # float32 [M]
-    labels: np.ndarray  # int64 [M]
-    landmarks: np.ndarray | None  # float32 [M, K, 2], original pixels, or None
-
-    def __post_init__(self):
-        m = len(self.batch_index)
-        assert self.boxes_xyxy.shape == (m, 4) and self.scores.shape == (m,) and self.labels.shape == (m,)
-        assert self.landmarks is None or (self.landmarks.shape[0] == m and self.landmarks.shape[2] == 2)
-
-    @staticmethod
-    def concatenate(parts: list[Detections]) -> Detections:
-        return Detections(
-            batch_index=np.concatenate([p.batch_index for p in parts]),
-            boxes_xyxy=np.concatenate([p.boxes_xyxy for p in parts]),
-            scores=np.concatenate([p.scores for p in parts]),
-            labels=np.concatenate([p.labels for p in parts]),
-            landmarks=None if parts[0].landmarks is None else np.concatenate([p.landmarks for p in parts]))
-
-    def rows_of(self, image: int) -> np.ndarray:
-        return np.flatnonzero(self.batch_index == image)
-
-
-def image_meta(scale_yx: np.ndarray, pad_yx: np.ndarray, orig_hw: np.ndarray) -> torch.Tensor:
-    """[B, 6] float32 (scale_y, scale_x, pad_y, pad_x, height, width), on the host: what maps
-    model-input pixels back to each original image. The postprocess moves it where it runs."""
+def image_meta(scale_yx: np.ndarray, pad_yx: np.ndarray, orig_hw: np.ndarray,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B, 6] float32 (scale_y, scale_x, pad_y, pad_x, height, width) on `device`: what maps
+    model-input pixels back to each original image (PreprocessedBatch's arrays)."""
     meta = np.concatenate([scale_yx, pad_yx, orig_hw.astype(np.float32)], axis=1).astype(np.float32)
-    return torch.from_numpy(meta)
-
-
-def to_device_meta(scale_yx: np.ndarray, pad_yx: np.ndarray, orig_hw: np.ndarray,
-                   device: torch.device) -> torch.Tensor:
-    """image_meta on the device."""
-    return image_meta(scale_yx, pad_yx, orig_hw).to(device)
+    return torch.from_numpy(meta).to(device)
 
 
 @dataclass
@@ -130,35 +90,37 @@ class DeviceDetections:
             if self.landmarks is not None else None)
 
 
-def end_to_end_device(outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, score_threshold: float,
-                      max_detections: int, num_landmarks: int, num_images: int | None = None) -> DeviceDetections:
-    """Threshold, cap per image, undo the resize/letterbox and clip, all on the outputs' device.
+class EndToEnd:
+    """Postprocess for a model that decodes and NMS's in its graph: threshold, cap per image, undo
+    the resize/letterbox and clip, on the outputs' device. The outputs' count N is data-dependent,
+    so this syncs with the host once (a boolean mask)."""
 
-    outputs: the end-to-end contract's tensors. meta: [B, 6] image_meta (on the host or the device).
-    num_images: rows of the batch that are real images (the rest pad the batch); default all.
-    """
-    scores = outputs["scores"].float()
-    meta = meta.to(scores.device)
-    image = outputs["batch_index"].long()
-    labels = outputs["labels"].long() if "labels" in outputs else torch.zeros_like(image)
+    def __init__(self, *, num_landmarks: int):
+        self.num_landmarks = num_landmarks
 
-    # Order by (image, score desc); rank within each image; keep score >= threshold and rank < cap.
-    # Rows below the threshold sort after those above it, so the rank counts kept rows first.
-    order = torch.argsort(scores, descending=True, stable=True)
-    order = order[torch.argsort(image[order], stable=True)]
-    counts = torch.bincount(image, minlength=meta.shape[0])
-    first_row = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(len(order), device=scores.device) - first_row[image[order]]
-    keep = (scores[order] >= score_threshold) & (rank < max_detections)
-    if num_images is not None:
+    def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, num_images: int,
+                 thresholds: Thresholds) -> DeviceDetections:
+        """num_images: rows of the batch that are real images (the rest pad the batch)."""
+        scores = outputs["scores"].float()
+        meta = meta.to(scores.device)
+        image = outputs["batch_index"].long()
+        labels = outputs["labels"].long() if "labels" in outputs else torch.zeros_like(image)
+        # Order by (image, score desc); rank within each image; keep score >= threshold and rank < cap.
+        # Rows below the threshold sort after those above it, so the rank counts kept rows first.
+        order = torch.argsort(scores, descending=True, stable=True)
+        order = order[torch.argsort(image[order], stable=True)]
+        counts = torch.bincount(image, minlength=meta.shape[0])
+        first_row = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(len(order), device=scores.device) - first_row[image[order]]
+        keep = (scores[order] >= thresholds.score_threshold) & (rank < thresholds.max_detections)
         keep &= image[order] < num_images
-    rows = order[keep]  # a boolean mask: one sync for the count
-    landmarks = None
-    if num_landmarks:
-        landmarks = to_original(outputs["landmarks"][rows].reshape(-1, num_landmarks, 2), image[rows], meta)
-    boxes = to_original(outputs["boxes"][rows].reshape(-1, 2, 2), image[rows], meta).reshape(-1, 4)
-    return DeviceDetections(batch_index=image[rows], boxes_xyxy=boxes, scores=scores[rows], labels=labels[rows],
-                            landmarks=landmarks)
+        rows = order[keep]  # a boolean mask: one sync for the count
+        landmarks = None
+        if self.num_landmarks:
+            landmarks = to_original(outputs["landmarks"][rows].reshape(-1, self.num_landmarks, 2), image[rows], meta)
+        boxes = to_original(outputs["boxes"][rows].reshape(-1, 2, 2), image[rows], meta).reshape(-1, 4)
+        return DeviceDetections(batch_index=image[rows], boxes_xyxy=boxes, scores=scores[rows], labels=labels[rows],
+                                landmarks=landmarks)
 
 
 def to_original(points_xy: torch.Tensor, image: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
@@ -211,26 +173,43 @@ def box_columns(labels: torch.Tensor, scores: torch.Tensor, boxes: torch.Tensor,
 
 @dataclass
 class PackedDetections:
-    """A batch's final detections as the heads postprocess leaves them, read by the host once.
+    """A batch's final detections as the heads postprocess leaves them: one block on the device,
+    read by the host in one copy when asked (`to_host`, `on_device`: the counts are needed).
 
     block: [1 + D, B, C] float32 on the device (pack_rows): row 0 per image (count, flag), row
     1 + d image b's d-th detection, columns label, score, x1 y1 x2 y2 (original pixels), then
-    (x, y) per landmark. host: its first 1 + P rows, P >= every image's count. Images past
-    num_images pad the batch and are dropped here."""
+    (x, y) per landmark. flag 0: the in-graph NMS did not settle that image; `settle` gives the
+    block again with those images done exactly (rare). Images past num_images pad the batch and
+    are dropped. The block belongs to the postprocess's CUDA graph: read it before the next batch
+    of the same engine output buffers."""
 
     block: torch.Tensor
-    host: np.ndarray
     num_landmarks: int
     num_images: int
+    reader: BlockReader
+    settle: Callable[[list[int]], torch.Tensor]
+    _host: np.ndarray | None = None
+
+    @property
+    def host(self) -> np.ndarray:
+        """The block's first 1 + P rows on the host, P >= every image's count: the one copy."""
+        if self._host is None:
+            host = self.reader(self.block)
+            unsettled = [b for b in range(self.num_images) if not host[0, b, 1]]
+            if unsettled:
+                self.block = self.settle(unsettled)
+                host = self.block.cpu().numpy()
+            self._host = host
+        return self._host
 
     @property
     def counts(self) -> np.ndarray:
         return self.host[0, :self.num_images, 0].astype(np.int64)
 
     def to_host(self) -> Detections:
-        counts = self.counts
-        rows = np.concatenate([self.host[1:1 + n, b] for b, n in enumerate(counts)]) if len(counts) else \
-            np.zeros((0, self.host.shape[2]), np.float32)
+        counts, host = self.counts, self.host
+        rows = np.concatenate([host[1:1 + n, b] for b, n in enumerate(counts)]) if len(counts) else \
+            np.zeros((0, host.shape[2]), np.float32)
         return Detections(batch_index=np.repeat(np.arange(len(counts)), counts), labels=rows[:, 0].astype(np.int64),
                           scores=rows[:, 1].copy(), boxes_xyxy=rows[:, 2:6].copy(),
                           landmarks=rows[:, 6:].reshape(len(rows), self.num_landmarks, 2).copy()
@@ -268,18 +247,10 @@ class BlockReader:
         return host
 
 
-def end_to_end(outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, score_threshold: float,
-               max_detections: int, num_landmarks: int, num_images: int | None = None) -> Detections:
-    """end_to_end_device, then the one device-to-host copy."""
-    return end_to_end_device(outputs, meta, score_threshold=score_threshold, max_detections=max_detections,
-                             num_landmarks=num_landmarks, num_images=num_images).to_host()
-
-
 class GraphCache:
     """Runs a function with static shapes and no host sync from CUDA graphs, captured once per set
     of input buffers (the engine's output buffers, the same every batch) and replayed: the ~200
-    small kernels of a heads postprocess become one launch (H200, RetinaNet batch 16: 5.6 ms per
-    batch launched one by one, 3.6 ms replayed).
+    small kernels of a heads postprocess become one launch, with no host time between them.
 
     fn(*buffers, *staged, **options): `buffers` are read in place (a new buffer is a new graph);
     `staged` are small tensors that change every batch (the image count, the letterbox meta),
@@ -335,7 +306,7 @@ class Compiled:
         self.fn, self.__qualname__ = fn, f"{fn.__qualname__}[compiled]"
         # Coordinate-descent tuning of each Triton kernel's launch shape (block sizes, warps) at
         # compile time: the best-class amax over [16, 120087, 91] float16 is a reduction over an
-        # odd, short row, where inductor's default shape left it at ~0.6 TB/s (docs/BENCHMARKS.md).
+        # odd, short row, where inductor's default shape is far from the memory's bandwidth.
         self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, options={"coordinate_descent_tuning": True})
 
     def __call__(self, *args, **kwargs):
@@ -360,14 +331,18 @@ class SsdHeads:
         conf       [B, A, 2]   softmax scores; class 1 is the object
         landmarks  [B, A, 2K]  optional, coded like the box centers
 
-    The anchors are made once per input size on the device. Only the top `pre_nms_top_k`
-    candidates per image are decoded; NMS is batched_nms (exact greedy, no host sync).
+    The anchors are made once on the device. Only the top `pre_nms_top_k` candidates per image
+    are decoded; NMS is batched_nms (exact greedy, no host sync) in NMS_STEPS steps, and an image
+    that has not converged by then is done again alone, exactly.
     """
 
     def __init__(self, *, strides: list[int], sizes: list[list[float]], variances: list[float],
-                 pre_nms_top_k: int, device: torch.device, compile: bool = False):
+                 pre_nms_top_k: int, input_hw: tuple[int, int], num_landmarks: int, device: torch.device,
+                 compile: bool = False):
         self.strides, self.sizes, self.variances = strides, sizes, variances
         self.pre_nms_top_k = pre_nms_top_k
+        self.input_hw = tuple(input_hw)
+        self.num_landmarks = num_landmarks
         self.device = device
         self._anchors: dict[tuple[int, int], torch.Tensor] = {}
         self.graphs = GraphCache(device)
@@ -429,29 +404,27 @@ class SsdHeads:
             columns.append(rows_to_original(points, meta))
         return pack_rows(torch.cat(columns, dim=-1), count, present, converged)
 
-    def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, input_hw: tuple[int, int],
-                 score_threshold: float, iou_threshold: float, max_detections: int, num_landmarks: int,
-                 num_images: int | None = None) -> PackedDetections:
-        """Final detections of the batch, read by the host once. meta: image_meta, [B, 6]. An image
-        whose NMS did not converge in NMS_STEPS (a suppression chain that long is rare) is done
-        again alone, exactly."""
-        options = dict(input_hw=tuple(input_hw), score_threshold=score_threshold, iou_threshold=iou_threshold,
-                       max_detections=max_detections, num_landmarks=num_landmarks)
-        num_images = len(outputs["loc"]) if num_images is None else num_images
-        buffers = (outputs["loc"], outputs["conf"]) + ((outputs["landmarks"],) if num_landmarks else ())
+    def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, num_images: int,
+                 thresholds: Thresholds) -> PackedDetections:
+        options = dict(input_hw=self.input_hw, score_threshold=thresholds.score_threshold,
+                       iou_threshold=thresholds.iou_threshold, max_detections=thresholds.max_detections,
+                       num_landmarks=self.num_landmarks)
+        buffers = (outputs["loc"], outputs["conf"]) + ((outputs["landmarks"],) if self.num_landmarks else ())
         block = self.graphs(self._packed, buffers, (torch.tensor(num_images), meta), max_iterations=NMS_STEPS,
                             **options)
-        host = self.reader(block)
-        redo = [b for b in range(num_images) if not host[0, b, 1]]
-        if redo:  # exact: up to pre_nms_top_k steps, checking for convergence every 8
-            rows = torch.tensor(redo, device=block.device)
-            again = self.packed(*(t[rows] for t in buffers), torch.tensor(len(redo), device=block.device),
-                                meta[redo].to(block.device), max_iterations=self.pre_nms_top_k, sync_every=8,
+
+        def settle(images: list[int]) -> torch.Tensor:
+            """The block with `images` done exactly: up to pre_nms_top_k steps, checked every 8."""
+            rows = torch.tensor(images, device=block.device)
+            again = self.packed(*(t[rows] for t in buffers), torch.tensor(len(images), device=block.device),
+                                meta[images].to(block.device), max_iterations=self.pre_nms_top_k, sync_every=8,
                                 **options)
-            block = block.clone()
-            block[:, rows] = again
-            host = block.cpu().numpy()
-        return PackedDetections(block=block, host=host, num_landmarks=num_landmarks, num_images=num_images)
+            settled = block.clone()
+            settled[:, rows] = again
+            return settled
+
+        return PackedDetections(block=block, num_landmarks=self.num_landmarks, num_images=num_images,
+                                reader=self.reader, settle=settle)
 
 
 RETINANET_METADATA = "gpudet.retinanet"
@@ -598,20 +571,21 @@ class RetinaNetHeads:
                               boxes.gather(1, slot[..., None].expand(-1, -1, 4)), meta)
         return pack_rows(torch.cat(columns, dim=-1), count, present, flag)
 
-    def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, score_threshold: float,
-                 iou_threshold: float, max_detections: int, num_images: int | None = None) -> PackedDetections:
-        """Final detections of the batch, read by the host once. meta: image_meta, [B, 6]."""
+    def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, num_images: int,
+                 thresholds: Thresholds) -> PackedDetections:
         logits, regression = outputs["cls_logits"], outputs["bbox_regression"]
-        num_images = len(logits) if num_images is None else num_images
+        max_detections = thresholds.max_detections
         block, (scores, labels, boxes, valid, keep) = self.graphs(
-            self._packed, (logits, regression), (torch.tensor(num_images), meta), score_threshold=score_threshold,
-            iou_threshold=iou_threshold, max_detections=max_detections)
-        host = self.reader(block)
-        unsettled = [b for b in range(num_images) if not host[0, b, 1]]
-        if unsettled:  # the rare image that needs more than the graph's prefix or steps: exact, alone
-            keep = exact_nms(boxes, scores, labels, valid, iou_threshold=iou_threshold, max_kept=max_detections,
-                             images=unsettled, keep=keep)
-            block = self.pack(scores, labels, boxes, keep, torch.ones_like(valid[:, 0]), meta.to(block.device),
-                              max_detections)
-            host = block.cpu().numpy()
-        return PackedDetections(block=block, host=host, num_landmarks=0, num_images=num_images)
+            self._packed, (logits, regression), (torch.tensor(num_images), meta),
+            score_threshold=thresholds.score_threshold, iou_threshold=thresholds.iou_threshold,
+            max_detections=max_detections)
+
+        def settle(images: list[int]) -> torch.Tensor:
+            """The block with `images` done exactly: they need more than the graph's prefix or steps."""
+            exact = exact_nms(boxes, scores, labels, valid, iou_threshold=thresholds.iou_threshold,
+                              max_kept=max_detections, images=images, keep=keep)
+            return self.pack(scores, labels, boxes, exact, torch.ones_like(valid[:, 0]), meta.to(block.device),
+                             max_detections)
+
+        return PackedDetections(block=block, num_landmarks=0, num_images=num_images, reader=self.reader,
+                                settle=settle)

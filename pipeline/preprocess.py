@@ -13,12 +13,16 @@ Hand-off rules, where the batch leaves DALI (read before touching `PreprocessedB
   while `PreprocessedBatch` holds them, also while later batches run (a test checks this). The
   engine binds that buffer itself through DLPack; nothing is copied.
 - A failed batch invalidates the pipeline and every batch submitted after it: `result()` then
-  raises PreprocessFailure with all of them, after rebuilding the pipeline.
+  raises PreprocessFailure with all of them, after rebuilding the pipeline. DALI cannot skip a
+  bad image, so `preprocess_stream` resubmits the others and retries the failed batch in halves
+  until only the images that fail alone are left (decode_failed).
 """
 
 from __future__ import annotations
 
+import re
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,10 +30,11 @@ import numpy as np
 from nvidia.dali import fn, pipeline_def, types
 
 from .device import Device
-from .source import EncodedImage, ImageRef
+from .results import ImageError, ImageRef
+from .source import EncodedImage
 
-# Share of JPEG decoding given to the hardware decoder (A100/H100/H200), by default. Measured on
-# an H200, 2026-11-29 (shared/gpu/NOTES.md): 8,884 img/s at 0.9 against 5,934 with DALI's default.
+# Share of each batch's JPEGs given to the hardware JPEG decoder (A100, H100, H200); nvJPEG decodes
+# the rest on the SMs. DALI's default is 0.65; 0.9 decoded faster on the H200 (docs/BENCHMARKS.md).
 HW_DECODER_LOAD = 0.9
 
 
@@ -79,9 +84,9 @@ def letterbox_graph(encoded, *, decode_device: str, height: int, width: int, res
 @pipeline_def
 def _file_bytes_pipeline(decode_device: str, graph_args: dict):
     """Encoded bytes and each image's index fed from Python; the index comes back with the batch."""
-    # no_copy: DALI reads the files' bytes where they are, and Preprocessor keeps each batch (its
-    # in_flight) until the outputs of its run are taken. Copying them cost the feeding thread 572
-    # against 187 us per batch of 32 files (3.2 MB) on a 2-core CPU machine, DALI 2.4.
+    # no_copy: DALI reads the files' bytes where they are (a copy costs the feeding thread, which is
+    # the loop's, about 3x the time), so Preprocessor keeps each batch (its in_flight) until the
+    # outputs of its run are taken.
     encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1, no_copy=True)
     index = fn.external_source(name="index", dtype=types.INT64, ndim=0)
     images, original_shape, resized_shape = letterbox_graph(encoded, decode_device=decode_device, **graph_args)
@@ -108,10 +113,11 @@ class Preprocessor:
                  hw_decoder_load: float = HW_DECODER_LOAD):
         """pad_partial_batches: fill a short batch up to batch_size by repeating its last image, so
         the model always sees one input shape (a new shape costs ORT's CUDA EP a cuDNN algorithm
-        search: ~2 s per shape measured on the H200). The extra rows are not in `refs`."""
+        search, seconds on a GPU). The extra rows are not in `refs`."""
         self.device = device
         self.pad_partial_batches = pad_partial_batches
         self.batch_size = batch_size
+        self.height, self.width = height, width
         self.num_threads = num_threads
         self.graph_args = dict(
             height=height, width=width, resize=resize, channel_order=channel_order, mean=list(mean),
@@ -144,7 +150,7 @@ class Preprocessor:
         fed = batch + batch[-1:] * (self.batch_size - len(batch)) if self.pad_partial_batches else batch
         self.pipe.feed_input("encoded", [item.data for item in fed])
         # One [B] array of B scalar samples: DALI checks a list of B 0-d arrays sample by sample, on
-        # the loop's thread (186 against 33 us per batch of 32 on a 2-core CPU machine, DALI 2.4).
+        # the loop's thread, several times slower.
         self.pipe.feed_input("index", np.array([item.ref.index for item in fed], dtype=np.int64))
         self.pipe.schedule_run()
         self.in_flight.append(batch)
@@ -172,3 +178,70 @@ class Preprocessor:
         assert not self.in_flight
         self.submit(batch)
         return self.result()
+
+
+def decode_failed(item: EncodedImage, cause: Exception) -> ImageError:
+    """The error record of an image the decoder rejected, with the useful part of DALI's message."""
+    text = str(cause)
+    # DALI's message: "Critical error in pipeline: ... Error in <operator> ... encountered: <what>".
+    operator = re.search(r"Error in \w+ operator `([^`]+)`", text)
+    what = text.split("encountered:", 1)[1].strip().splitlines()[0] if "encountered:" in text else text.strip()
+    what = re.sub(r"\s*sample #\d+\s*:?\s*$", "", what).strip() or "rejected"
+    where = f" ({operator.group(1)})" if operator else ""
+    return ImageError(item.ref.index, item.ref.path, "decode_failed",
+                      f"cannot decode{where}: {what[:300]}; the file is corrupt or truncated")
+
+
+def isolate(preprocessor: Preprocessor, items: list[EncodedImage],
+            on_error: Callable[[list[ImageError]], None]) -> Iterator[PreprocessedBatch]:
+    """Retry a group of two or more that failed together in halves, one at a time, down to single
+    images; report those that fail alone."""
+    half = len(items) // 2
+    for part in (items[:half], items[half:]):
+        try:
+            yield preprocessor.run(part)
+        except PreprocessFailure as failure:
+            if len(part) == 1:
+                on_error([decode_failed(part[0], failure.cause)])
+            else:
+                yield from isolate(preprocessor, part, on_error)
+
+
+def preprocess_stream(preprocessor: Preprocessor, batches: Iterable[list[EncodedImage]],
+                      on_error: Callable[[list[ImageError]], None], *, depth: int = 2
+                      ) -> Iterator[PreprocessedBatch]:
+    """Preprocessed batches, in order, with `depth` batches in flight in DALI.
+
+    When DALI fails on a batch, the batches submitted after it are submitted again and the
+    failed one is retried in halves until only the images that fail alone are left; those are
+    reported as decode_failed. Every good image comes out exactly once.
+
+    A consumer that stops early leaves no batch in DALI: those in flight are taken and dropped
+    here (the preprocessor's next stream would otherwise get them first).
+    """
+    retry: deque[list[EncodedImage]] = deque()
+    source = iter(batches)
+    try:
+        while True:
+            while len(preprocessor.in_flight) < depth:
+                batch = retry.popleft() if retry else next(source, None)
+                if batch is None:
+                    break
+                if batch:
+                    preprocessor.submit(batch)
+            if not preprocessor.in_flight:
+                return
+            try:
+                yield preprocessor.result()
+            except PreprocessFailure as failure:
+                retry.extendleft(reversed(failure.unfinished))
+                if len(failure.failed) == 1:
+                    on_error([decode_failed(failure.failed[0], failure.cause)])
+                else:
+                    yield from isolate(preprocessor, failure.failed, on_error)
+    finally:
+        while preprocessor.in_flight:
+            try:
+                preprocessor.result()
+            except PreprocessFailure:  # DALI is rebuilt: nothing left in flight
+                pass

@@ -1,48 +1,55 @@
-"""Sinks: stream results to disk as they come; nothing is accumulated for the end of the job.
+"""Sinks: what a run writes into its output folder, streamed as results come.
 
     detections.jsonl  one record per input image that was processed, also with no detections
     errors.jsonl      one record per input image that could not be processed, with the reason
     summary.json      counts, per-stage time, throughput, device, model, resolved config
 
-Each JSONL line is written whole and flushed per batch, so a reader never sees a torn line.
-summary.json is replaced atomically (written beside, then renamed).
+`OutputFolder` is the one type every runner writes through (one process, each --devices worker
+and their merge, the --ray driver, bench): what --resume and --overwrite mean, the records, the
+summary and the exit code. Each batch's lines are one write of whole lines, flushed, so a kill
+leaves at most a torn last line (cut off by the next --resume); summary.json is replaced
+atomically. Every input ends in exactly one of the two JSONL files.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
+import orjson
 
-try:  # a batch's records + lines: 0.19-0.35 against 1.08-1.96 ms with the json module (scripts/probe_write.py)
-    import orjson
-except ImportError:  # a dependency; without it (a hand-made environment) the same records, written slower
-    orjson = None
+from ._version import __version__
+from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, OutputError
+from .results import Detections, ImageError, ImageRef, label_name
 
-from .postprocess import Detections
-from .preprocess import PreprocessedBatch
-from .source import ImageError
+RESULT_FILES = ("detections.jsonl", "errors.jsonl")
 
 
-def detection_records(batch: PreprocessedBatch, detections: Detections, label_names: list[str]) -> list[dict]:
-    """One JSON-ready record per image of the batch, in batch order. Columns go to Python numbers
-    once per batch (`tolist`), not element by element: this runs on the main loop for every batch
-    (RetinaFace on the H200: ~1.2 ms per batch of 32 before, the loop's third-largest wait)."""
+def detection_records(refs: list[ImageRef], orig_hw: np.ndarray, detections: Detections,
+                      label_names: list[str]) -> list[dict]:
+    """One JSON-ready record per image of a batch, in batch order. orig_hw: int [B, 2], each image's
+    (height, width). Columns go to Python numbers once per batch (`tolist`), not element by
+    element: this runs for every batch."""
     order = np.argsort(detections.batch_index, kind="stable")  # grouped by image, best first within
-    starts = np.searchsorted(detections.batch_index[order], np.arange(len(batch.refs) + 1)).tolist()
+    starts = np.searchsorted(detections.batch_index[order], np.arange(len(refs) + 1)).tolist()
     # 0.01 px, 1e-5 in score: np.round (k / 100 for the nearest integer k; JSON prints it short)
     boxes = np.round(detections.boxes_xyxy[order].astype(np.float64), 2).tolist()
     scores = np.round(detections.scores[order].astype(np.float64), 5).tolist()
     labels = detections.labels[order].tolist()
-    names = [label_names[k] if k < len(label_names) else str(k) for k in labels]
+    names = label_name(label_names, labels)
     landmarks = None if detections.landmarks is None else \
         np.round(detections.landmarks[order].astype(np.float64), 2).tolist()
-    orig_hw = batch.orig_hw.tolist()
+    orig_hw = orig_hw.tolist()
     records = []
-    for i, ref in enumerate(batch.refs):
+    for i, ref in enumerate(refs):
         items = []
         for row in range(starts[i], starts[i + 1]):
             item: dict[str, Any] = {"box": boxes[row], "score": scores[row], "label": labels[row], "name": names[row]}
@@ -52,6 +59,19 @@ def detection_records(batch: PreprocessedBatch, detections: Detections, label_na
         height, width = orig_hw[i][:2]
         records.append({"index": ref.index, "path": ref.path, "width": width, "height": height, "detections": items})
     return records
+
+
+def jsonl(records: list[dict]) -> bytes:
+    """The records as JSON lines, UTF-8, compact (no spaces), one per line (orjson: several times
+    cheaper than the json module, which matters when a batch holds thousands of detections).
+
+    A file name that is not UTF-8 (Linux allows any bytes; Python decodes them to lone surrogates)
+    cannot be written as UTF-8: that batch's lines escape every non-ASCII character instead, so
+    json.loads then os.fsencode give back the file's bytes."""
+    try:
+        return b"".join(orjson.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in records)
+    except TypeError:  # orjson's "surrogates not allowed"
+        return "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
 
 
 def read_complete_records(path: Path) -> list[dict]:
@@ -67,21 +87,6 @@ def read_complete_records(path: Path) -> list[dict]:
         with open(path, "r+b") as f:
             f.truncate(end)
     return [json.loads(line) for line in data[:end].decode("utf-8").splitlines() if line.strip()]
-
-
-def jsonl(records: list[dict]) -> bytes:
-    """The records as JSON lines, UTF-8, compact (no spaces), one per line. This runs on the main
-    loop for every batch: the json module's float formatting was most of the loop's writing time.
-
-    A file name that is not UTF-8 (Linux allows any bytes; Python decodes them to lone surrogates)
-    cannot be written as UTF-8: that batch's lines escape every non-ASCII character instead, so
-    json.loads then os.fsencode give back the file's bytes."""
-    try:
-        if orjson is not None:
-            return b"".join(orjson.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in records)
-        return "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in records).encode()
-    except (TypeError, UnicodeEncodeError):  # orjson's "surrogates not allowed" is a TypeError
-        return "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
 
 
 class JsonlWriter:
@@ -101,8 +106,6 @@ class JsonlWriter:
     def append(self, records: list[dict]) -> None:
         if not records:
             return
-        # One write of whole lines per batch, flushed: a kill leaves at most a torn last line,
-        # which read_complete_records removes on --resume.
         self._file.write(jsonl(records))
         self._file.flush()
         self.count += len(records)
@@ -111,11 +114,141 @@ class JsonlWriter:
         self._file.close()
 
 
-def errors_records(errors: list[ImageError]) -> list[dict]:
-    return [e.to_record() for e in errors]
-
-
 def write_json_atomic(path: Path, value: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     os.replace(tmp, path)
+
+
+@dataclass
+class RunResult:
+    summary: dict
+    exit_code: int  # errors.py: 0, 3 (some images failed), 130 (interrupted), 1 (a worker failed)
+
+
+@dataclass
+class Tally:
+    """What one run recorded, for the summary and the exit code."""
+
+    processed: int = 0
+    failed: int = 0
+    detections: int = 0
+    interrupted: bool = False
+    failed_by_reason: Counter = field(default_factory=Counter)
+
+    def count(self, name: str, record: dict) -> None:
+        """One record of RESULT_FILES[0] (a processed image) or [1] (a failed one)."""
+        if name == RESULT_FILES[0]:
+            self.processed += 1
+            self.detections += len(record.get("detections") or [])
+        else:
+            self.failed += 1
+            self.failed_by_reason[record.get("reason", "unknown")] += 1
+
+    @property
+    def exit_code(self) -> int:
+        """0: every image processed; 3: finished, some failed; 130: interrupted."""
+        return EXIT_INTERRUPTED if self.interrupted else EXIT_SOME_FAILED if self.failed else EXIT_OK
+
+
+class OutputFolder:
+    """A run's output folder. `todo` says which images the run must process (all; with --resume
+    those not yet recorded; results there without either flag are an error); inside `writing()`,
+    `record` and `fail` stream each batch's records and count them in `tally`."""
+
+    def __init__(self, path: str | Path, *, resume: bool = False, overwrite: bool = False):
+        self.path = Path(path)
+        self.resume, self.overwrite = resume, overwrite
+        self.tally = Tally()
+        self._writers: tuple[JsonlWriter, JsonlWriter] | None = None
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def files(self) -> list[Path]:
+        return [self.path / name for name in RESULT_FILES]
+
+    def todo(self, refs: list[ImageRef], *, also: Iterable[Path] = ()) -> list[ImageRef]:
+        """The images this run must process. also: more result files that count as this folder's
+        (the --devices workers' shards)."""
+        existing = [p for p in self.files + list(also) if p.exists() and p.stat().st_size]
+        if not existing or self.overwrite:
+            return refs
+        if not self.resume:
+            raise OutputError(f"{existing[0]} already holds results; pass --resume to process only the images "
+                              "not yet recorded there, or --overwrite to start again")
+        done = recorded(existing, refs)
+        return [r for r in refs if r.index not in done]
+
+    @contextmanager
+    def writing(self) -> Iterator[OutputFolder]:
+        """The two JSONL files open for this run: appended to with --resume, else started anew."""
+        with JsonlWriter(self.files[0], append=self.resume) as results, \
+                JsonlWriter(self.files[1], append=self.resume) as errors:
+            self._writers = (results, errors)
+            try:
+                yield self
+            finally:
+                self._writers = None
+
+    def record(self, records: list[dict]) -> None:
+        """A batch's detection records (detection_records), one write."""
+        self._writers[0].append(records)
+        for record in records:
+            self.tally.count(RESULT_FILES[0], record)
+
+    def fail(self, errors: list[ImageError]) -> None:
+        """Images that could not be processed, one write."""
+        records = [e.to_record() for e in errors]
+        self._writers[1].append(records)
+        for record in records:
+            self.tally.count(RESULT_FILES[1], record)
+
+    def merge(self, shards: list[Path], count: Callable[[str, dict], None] = lambda name, record: None) -> None:
+        """Rewrite this folder's JSONL files as the union, by image index, of what they held and
+        what the shards' files hold (streamed, replaced atomically); `count` sees each record kept."""
+        for name in RESULT_FILES:
+            seen: set[int] = set()
+            tmp = self.path / (name + ".tmp")
+            with open(tmp, "wb") as merged:
+                for path in [self.path / name] + [shard / name for shard in shards]:
+                    for record in read_complete_records(path):
+                        if record["index"] not in seen:
+                            seen.add(record["index"])
+                            count(name, record)
+                            merged.write(jsonl([record]))
+            os.replace(tmp, self.path / name)
+
+    def write_summary(self, *, source: str, images: int, todo: int, device: str, seconds: dict[str, float],
+                      loop_seconds: float, started: datetime, model: dict | None = None, config: dict | None = None,
+                      extra: dict | None = None) -> dict:
+        """summary.json: this run's tally and times (seconds: total, setup and the stages), with
+        what ran it. images_per_s counts the images recorded per second of the loop (after setup)."""
+        t = self.tally
+        summary = {
+            "gpudet": __version__, "source": source, "out": str(self.path), "images": images,
+            "already_done": images - todo, "processed": t.processed, "failed": t.failed,
+            "failed_by_reason": dict(t.failed_by_reason), "detections": t.detections, "interrupted": t.interrupted,
+            "seconds": {k: round(v, 4) for k, v in seconds.items()},
+            "images_per_s": round((t.processed + t.failed) / max(loop_seconds, 1e-9), 2),
+            "device": device, **({"model": model} if model else {}), **({"config": config} if config else {}),
+            **(extra or {}),
+            "started": started.isoformat(timespec="seconds"),
+            "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        write_json_atomic(self.path / "summary.json", summary)
+        return summary
+
+
+def recorded(paths: Iterable[Path], refs: list[ImageRef]) -> set[int]:
+    """Indices recorded in result files of earlier runs, each checked to belong to `refs`."""
+    by_index = {r.index: r.path for r in refs}
+    done: set[int] = set()
+    for path in paths:
+        for record in read_complete_records(path):
+            index = record.get("index")
+            if by_index.get(index) != record.get("path"):
+                raise OutputError(
+                    f"{path}: record {index} ({record.get('path')}) is not image {index} of this source; resume with "
+                    "the same source (and --root), or use --overwrite")
+            done.add(index)
+    return done

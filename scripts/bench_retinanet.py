@@ -43,7 +43,7 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.device import resolve_device  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 from pipeline import nms  # noqa: E402
-from pipeline.postprocess import Compiled, GraphCache, RetinaNetHeads, image_meta  # noqa: E402
+from pipeline.postprocess import Compiled, GraphCache, RetinaNetHeads, Thresholds, image_meta  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "retinanet_r50_coco.yaml"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to try this script out
@@ -163,10 +163,10 @@ def postprocess(files: dict[str, Path], model: torch.nn.Module, batch: int, size
     meta = image_meta(ones, zeros, np.array([size_hw] * batch))  # on the host, as the detector passes it
     results = {}
     for threshold in (0.05, 0.0):
-        found = post(outputs, meta, score_threshold=threshold, iou_threshold=0.5, max_detections=300)
+        keep = Thresholds(threshold, 0.5, 300)
+        found = post(outputs, meta, num_images=batch, thresholds=keep)
         scores, _, _ = post.candidates(outputs["cls_logits"], outputs["bbox_regression"])
-        times = timed(lambda: post(outputs, meta, score_threshold=threshold, iou_threshold=0.5, max_detections=300),
-                      iterations=iterations)
+        times = timed(lambda: post(outputs, meta, num_images=batch, thresholds=keep).host, iterations=iterations)
         results[f"gpudet heads postprocess score>{threshold}"] = {
             **summary(times, batch), "candidates_per_image": round(float((scores > threshold).sum()) / batch),
             "detections_per_image": round(len(found.to_host().scores) / batch, 1)}
@@ -177,11 +177,13 @@ def postprocess(files: dict[str, Path], model: torch.nn.Module, batch: int, size
         compiled = RetinaNetHeads.from_metadata(engine.metadata, files["heads_fp16"], torch.device(DEVICE),
                                                 compile=True)
         for threshold in (0.05, 0.0):
+            keep = Thresholds(threshold, 0.5, 300)
             start = time.perf_counter()
-            found = compiled(outputs, meta, score_threshold=threshold, iou_threshold=0.5, max_detections=300)
+            found = compiled(outputs, meta, num_images=batch, thresholds=keep)
+            found.host
             first_call = time.perf_counter() - start
-            times = timed(lambda: compiled(outputs, meta, score_threshold=threshold, iou_threshold=0.5,
-                                           max_detections=300), iterations=iterations)
+            times = timed(lambda: compiled(outputs, meta, num_images=batch, thresholds=keep).host,
+                          iterations=iterations)
             key = f"gpudet heads postprocess compiled score>{threshold}"
             results[key] = {**summary(times, batch), "first_call_s": round(first_call, 1),
                             "detections_per_image": round(len(found.to_host().scores) / batch, 1)}
@@ -301,23 +303,21 @@ def pytorch_pipeline(paths: list[str], model: torch.nn.Module, batch: int, size_
     return {PYTORCH: {"images_per_s": round(rate, 1), "workers": workers}}
 
 
-def dali_alone(paths: list[str], batch: int, size_hw: tuple[int, int], workers: int, log) -> dict:
+def dali_alone(paths: list[str], model_path: Path, batch: int, workers: int, log) -> dict:
     """DALI alone, the RetinaNet config's preprocessing into the heads model's input (float16 NCHW),
     over the images already in memory, two batches in flight: on the GPU (nvJPEG and the hardware
     decoder, the config's threads) and on the CPU with `workers` threads."""
     from pipeline.bench import dali_images_per_s
-    from pipeline.detector import preprocessor_args
-    from pipeline.engine import ImageInput
-    from pipeline.preprocess import Preprocessor
-    from pipeline.source import EncodedImage, ImageRef, read_checked
+    from pipeline.detector import Detector
+    from pipeline.results import ImageRef
+    from pipeline.source import EncodedImage, read_checked
 
     items = [i for i in (read_checked(ImageRef(k, p)) for k, p in enumerate(paths)) if isinstance(i, EncodedImage)]
-    model_input = ImageInput("images", "NCHW", "float16", size_hw)
     results = {}
     for device_name, threads in ([("cuda", None)] if DEVICE == "cuda" else []) + [("cpu", workers)]:
-        config = load_config(CONFIG, [f"run.batch_size={batch}"] + ([f"run.num_threads={threads}"] if threads else []))
-        device = resolve_device(device_name)
-        preprocessor = Preprocessor(device=device, **preprocessor_args(config, model_input, device))
+        config = load_config(CONFIG, [f"model.path={model_path}", f"run.device={device_name}",
+                                      f"run.batch_size={batch}"] + ([f"run.num_threads={threads}"] if threads else []))
+        preprocessor = Detector.from_config(config).preprocessor  # the heads model's input: float16 NCHW
         rate = dali_images_per_s(items, preprocessor)
         key = f"dali {device_name}, {preprocessor.num_threads} threads"
         results[key] = {"images_per_s": round(rate, 1), "images": len(items)}
@@ -335,14 +335,14 @@ def gpudet_runs(list_file: str, files: dict[str, Path], batch: int, log) -> dict
     results = {}
     for name in ("heads_fp16", "e2e_fp16"):
         config = load_config(CONFIG, [f"model.path={files[name]}", f"run.device={DEVICE}", f"run.batch_size={batch}"])
-        detector = Detector(config)
+        detector = Detector.from_config(config)
         (rate, stages), = gpudet_passes(refs, detector)
         results[f"gpudet {name}"] = {"images_per_s": round(rate, 1), "contract": detector.contract,
                                      "stages_s": stages}
         log(f"gpudet {name}: {rate:.1f} img/s, {stages}")
     config = load_config(CONFIG, [f"model.path={files['e2e_fp32_dynamic']}", f"run.device={DEVICE}", "run.batch_size=1",
                                   "run.prefer_nhwc=false", "run.fuse_conv_bias=false"])
-    detector = Detector(config)
+    detector = Detector.from_config(config)
     rate = naive_images_per_s(refs[:64], detector)
     results[NAIVE] = {"images_per_s": round(rate, 2)}
     log(f"naive: {rate:.2f} img/s")
@@ -378,7 +378,7 @@ def main() -> None:
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv)}
     sections = {"model": lambda: model_only(files, model, a.batch_size, size_hw, a.iterations, log),
                 "postprocess": lambda: postprocess(files, model, a.batch_size, size_hw, a.iterations, log),
-                "dali": lambda: dali_alone(paths, a.batch_size, size_hw, a.workers, log),
+                "dali": lambda: dali_alone(paths, files["heads_fp16"], a.batch_size, a.workers, log),
                 "pytorch": lambda: pytorch_pipeline(paths, model, a.batch_size, size_hw, a.workers, log),
                 "gpudet": lambda: gpudet_runs(str(limited), files, a.batch_size, log)}
     for name in a.only:

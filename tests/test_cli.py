@@ -136,13 +136,7 @@ def test_gpu_and_cpu_give_the_same_detections(tmp_path):
             assert abs(da["score"] - db["score"]) < 0.01
 
 
-@pytest.mark.parametrize("orjson", ["installed", "missing"])
-def test_file_names_that_are_not_utf8_are_written_and_read_back(tmp_path, monkeypatch, orjson):
-    from pipeline import sinks
-
-    assert sinks.orjson is not None  # a dependency: the fast path is the one users run
-    if orjson == "missing":
-        monkeypatch.setattr(sinks, "orjson", None)
+def test_file_names_that_are_not_utf8_are_written_and_read_back(tmp_path):
     folder = os.fsencode(tmp_path / "in")
     os.mkdir(folder)
     good, empty = folder + b"/caf\xe9.jpg", folder + b"/empty\xff.jpg"  # Latin-1 names: any bytes but / and NUL

@@ -25,9 +25,7 @@ def test_default_config_is_the_embedded_retinaface():
     ("preprocess:\n  mean: [1, 2]\n", "preprocess.mean"),
     ("postprocess:\n  score_threshold: 1.5\n", "postprocess.score_threshold"),
     ("run:\n  batch_size: 0\n", "run.batch_size"),
-    ("run:\n  gil_switch_interval_ms: 0\n", "run.gil_switch_interval_ms"),
     ("run:\n  prefetch_batches: 0\n", "run.prefetch_batches"),
-    ("run:\n  read_processes: -1\n", "run.read_processes"),
     ("run:\n  pipeline_depth: 1\n", "run.pipeline_depth"),
     ("preprocess:\n  hw_decoder_load: 1.5\n", "preprocess.hw_decoder_load"),
     ("run: 3\n", "'run'"),
@@ -79,10 +77,18 @@ def test_only_the_configs_checked_on_a_gpu_ask_ort_to_fuse_the_conv_bias(name, f
     RetinaFace models once found hundreds of faces in a photo of one (docs/BENCHMARKS.md)."""
     from pathlib import Path
 
-    from pipeline.detector import engine_args
-
     config = load_config(Path(__file__).parent.parent / "configs" / f"{name}.yaml")
-    assert (engine_args(config)["cuda_options"].get("fuse_conv_bias") == "1") == fused
+    assert config.run.fuse_conv_bias == fused
+
+
+def test_the_detector_hands_the_run_options_to_the_cuda_ep():
+    """Detector.from_config turns run.* into ORT's CUDA EP options (kept by the engine also on the CPU)."""
+    from pipeline import Detector
+
+    detector = Detector.from_config(device="cpu", overrides=["run.prefer_nhwc=true", "run.fuse_conv_bias=true",
+                                                             "run.tf32=false", "run.gpu_mem_limit_mb=64"])
+    assert detector.engine.cuda_options == {"prefer_nhwc": "1", "fuse_conv_bias": "1", "use_tf32": "0",
+                                            "gpu_mem_limit": str(64 << 20), "arena_extend_strategy": "kSameAsRequested"}
 
 
 def test_fusing_the_conv_bias_needs_nhwc(tmp_path):

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from pipeline.device import Device
-from pipeline.preprocess import Preprocessor
-from pipeline.detector import StageClock, preprocess_stream
-from pipeline.source import EncodedImage, ImageRef
+from pipeline.preprocess import Preprocessor, preprocess_stream
+from pipeline.results import ImageRef
+from pipeline.source import EncodedImage
+from pipeline.timing import StageClock
 
 from conftest import SAMPLES, cpu_and_cuda
 
@@ -55,7 +56,7 @@ def test_a_stream_stopped_early_leaves_nothing_in_dali_for_the_next(device):
 def test_stage_clock_is_exclusive(monkeypatch):
     # A fake clock, so the accounting is checked exactly and a loaded machine cannot change it.
     now = [100.0]
-    monkeypatch.setattr("pipeline.detector.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("pipeline.timing.time.perf_counter", lambda: now[0])
     clock = StageClock()
     with clock("outer"):
         now[0] += 0.02
@@ -66,31 +67,31 @@ def test_stage_clock_is_exclusive(monkeypatch):
 
 
 @cpu_and_cuda()
-def test_running_the_model_in_chunks_gives_the_same_detections(device):
-    """The out-of-memory fallback: views of DALI's buffer, run a few images at a time."""
-    from pipeline.config import load_config, resolve_model_path
-    from pipeline.engine import Engine
-    from pipeline.postprocess import end_to_end, to_device_meta
-    from pipeline.detector import engine_args, infer, preprocessor_args
+def test_running_the_model_in_parts_gives_the_same_detections(device):
+    """The out-of-memory fallback (Engine.run_batch): views of DALI's buffer, run a few images at a
+    time, their outputs joined as one batch's."""
+    from pipeline import Detector
+    from pipeline.postprocess import image_meta
     from pipeline.source import list_images, read_checked
 
-    config = load_config(None, ["run.batch_size=8"])
-    dev = Device("cuda", 0) if device == "cuda" else Device("cpu")
-    engine = Engine(resolve_model_path(config), device=dev, **engine_args(config))
-    p = Preprocessor(device=dev, **dict(preprocessor_args(config, engine.image_input, dev), pad_partial_batches=True))
-    batch = p.run([read_checked(r) for r in list_images(SAMPLES)])  # 6 images padded to 8
+    detector = Detector.from_config(device=device, batch_size=8)
+    engine, preprocessor = detector.engine, detector.preprocessor
+    preprocessor.pad_partial_batches = True
+    batch = preprocessor.run([read_checked(r) for r in list_images(SAMPLES)])  # 6 images padded to 8
+    meta = image_meta(batch.scale_yx, batch.pad_yx, batch.orig_hw)
 
-    def post(outputs, scale_yx, pad_yx, orig_hw, num_images):
-        return end_to_end(outputs, to_device_meta(scale_yx, pad_yx, orig_hw, dev.torch), score_threshold=0.9,
-                          max_detections=750, num_landmarks=5, num_images=num_images)
+    def found(run_batch):
+        engine.run_batch = run_batch
+        outputs = engine.run(batch.images)
+        return detector.postprocess(outputs, meta, num_images=6, thresholds=detector.thresholds).to_host()
 
-    whole = infer(engine, batch, chunk=8, postprocess=post)[0]()  # infer returns the postprocess to call
-    for chunk in (4, 3, 1):
-        part = infer(engine, batch, chunk=chunk, postprocess=post)[0]()
-        assert part.batch_index.tolist() == whole.batch_index.tolist()
+    whole = found(None)
+    for part in (4, 3, 1):
+        parts = found(part)
+        assert parts.batch_index.tolist() == whole.batch_index.tolist()
         # cuDNN may pick other algorithms for other batch sizes: equal within rounding.
-        assert np.allclose(part.boxes_xyxy, whole.boxes_xyxy, atol=0.05)
-        assert np.allclose(part.landmarks, whole.landmarks, atol=0.05)
+        assert np.allclose(parts.boxes_xyxy, whole.boxes_xyxy, atol=0.05)
+        assert np.allclose(parts.landmarks, whole.landmarks, atol=0.05)
     assert sorted(whole.batch_index.tolist()) == [0, 1, 5]  # astronaut, camera, grace_hopper
 
 
@@ -130,7 +131,6 @@ def test_engine_and_postprocess_on_threads_give_the_inline_results(tmp_path, dep
     batches, in order, with the same detections as the inline path, around a bad image, with more
     batches than slots, every slot used; the engine's time is counted from its thread."""
     from pipeline import Detector
-    from pipeline.detector import StageClock
     from pipeline.source import list_images
 
     (tmp_path / "bad.jpg").write_bytes(CORRUPT.tobytes())
@@ -198,43 +198,15 @@ def test_every_ort_run_happens_on_the_engines_own_thread(device):
     assert found[True] == found[False] and len(found[True]) == 3
 
 
-def test_gil_switch_interval_is_set_while_streaming_and_restored_after():
-    import sys
-
-    from pipeline import Detector
-    from pipeline.source import list_images
-
-    before = sys.getswitchinterval()
-    detector = Detector.from_config(SAMPLES.parent / "configs" / "retinaface_mnet025_heads.yaml", device="cpu",
-                                    batch_size=2, overrides=["run.gil_switch_interval_ms=0.5"])
-    seen = [sys.getswitchinterval() for _ in detector.stream(list_images(SAMPLES), lambda errors: None)]
-    assert seen == [0.0005] * 3 and sys.getswitchinterval() == before
-    stream = detector.stream(list_images(SAMPLES), lambda errors: None)
-    next(stream)
-    stream.close()  # a caller that stops early gets its interval back too
-    assert sys.getswitchinterval() == before
-
-
-def test_a_detector_keeps_its_reader_processes_and_runs_one_stream_at_a_time():
+def test_a_detector_runs_one_stream_at_a_time_and_a_stopped_one_leaves_nothing_behind():
     from pipeline import Detector
 
     detector = Detector.from_config(SAMPLES.parent / "configs" / "retinaface_mnet025_heads.yaml", device="cpu",
-                                    batch_size=2, overrides=["run.read_processes=2"])
+                                    batch_size=2)
     faces = [(r.path, r.scores.tolist()) for r in detector.run(str(SAMPLES))]
-    workers = list(detector._readers._workers)
     first = detector.run(str(SAMPLES))
     next(first)
     with pytest.raises(RuntimeError, match="already running a stream"):
         next(detector.run(str(SAMPLES)))  # its DALI batches and output buffers would be the first's
-    first.close()  # stopped early: the readers still owe it answers
+    first.close()
     assert [(r.path, r.scores.tolist()) for r in detector.run(str(SAMPLES))] == faces
-    assert detector._readers._workers == workers and all(w.poll() is None for w in workers)
-    for w in workers:  # all of them died: the next run starts new ones
-        w.kill()
-        w.wait()
-    assert [(r.path, r.scores.tolist()) for r in detector.run(str(SAMPLES))] == faces
-    assert detector._readers.alive == [True, True]
-    workers = list(detector._readers._workers)
-    with detector:
-        pass
-    assert all(w.poll() is not None for w in workers) and detector._readers is None

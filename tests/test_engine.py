@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from pipeline.device import Device
-from pipeline.engine import Engine, ModelError
-from pipeline.postprocess import Detections, end_to_end, to_device_meta
+from pipeline.engine import Engine
+from pipeline.errors import ModelError
+from pipeline.postprocess import EndToEnd, Thresholds, image_meta
+from pipeline.results import Detections
 from pipeline.preprocess import Preprocessor
 from pipeline.source import list_images, read_checked
 
@@ -120,12 +122,13 @@ def test_no_device_to_host_copy_of_model_outputs(tmp_path):
                                                 "max_detections": 750})
     batch = preprocessor.run(items)
     engine.run(batch.images)  # warm-up (cuDNN algorithm search, allocations)
-    meta = to_device_meta(batch.scale_yx, batch.pad_yx, batch.orig_hw, dev.torch)
+    meta = image_meta(batch.scale_yx, batch.pad_yx, batch.orig_hw, dev.torch)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as engine_prof:
         outputs = engine.run(batch.images)
     output_bytes = sum(t.numel() * t.element_size() for t in outputs.values())
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as post_prof:
-        det = end_to_end(outputs, meta, score_threshold=0.9, max_detections=750, num_landmarks=5)
+        det = EndToEnd(num_landmarks=5)(outputs, meta, num_images=len(items),
+                                        thresholds=Thresholds(0.9, 0.4, 750)).to_host()
     engine_prof.export_chrome_trace(str(tmp_path / "engine.json"))
     post_prof.export_chrome_trace(str(tmp_path / "post.json"))
     engine_copies, post_copies = dtoh_copies(tmp_path / "engine.json"), dtoh_copies(tmp_path / "post.json")

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.engine import ModelError, TensorSpec
-from pipeline.postprocess import detect_contract, end_to_end, to_device_meta
+from pipeline.engine import TensorSpec, detect_contract
+from pipeline.errors import ModelError
+from pipeline.postprocess import EndToEnd, Thresholds, image_meta
 
 from conftest import EXPECTED_FACES, ROOT, SAMPLES, cpu_and_cuda
 
@@ -13,7 +14,13 @@ from conftest import EXPECTED_FACES, ROOT, SAMPLES, cpu_and_cuda
 def meta_for(device, scale_yx, orig_hw, pad_yx=None):
     scale_yx = np.array(scale_yx, np.float32)
     pad_yx = np.zeros_like(scale_yx) if pad_yx is None else np.array(pad_yx, np.float32)
-    return to_device_meta(scale_yx, pad_yx, np.array(orig_hw, np.int64), torch.device(device))
+    return image_meta(scale_yx, pad_yx, np.array(orig_hw, np.int64), torch.device(device))
+
+
+def end_to_end(outputs, meta, *, score_threshold, max_detections, num_landmarks, num_images=None):
+    post = EndToEnd(num_landmarks=num_landmarks)
+    return post(outputs, meta, num_images=len(meta) if num_images is None else num_images,
+                thresholds=Thresholds(score_threshold, 0.5, max_detections)).to_host()
 
 
 @cpu_and_cuda()
@@ -139,7 +146,11 @@ def test_packed_rows_hold_each_images_kept_detections_best_first(device):
 
     block = RetinaNetHeads.pack(scores, labels, boxes, keep, torch.ones(batch, dtype=torch.bool, device=dev), meta, cap)
     reader = BlockReader()
-    found = PackedDetections(block=block, host=reader(block), num_landmarks=0, num_images=3).to_host()
+
+    def packed():
+        return PackedDetections(block=block, num_landmarks=0, num_images=3, reader=reader, settle=None)
+
+    found = packed().to_host()
     most = int(keep.sum(1).max())
     assert most > 16 and reader.rows == min(1 << (most - 1).bit_length(), cap)  # read twice, then wider
 
@@ -150,7 +161,7 @@ def test_packed_rows_hold_each_images_kept_detections_best_first(device):
     expected = (boxes[image, candidate] / 2).clamp(min=0).cpu().numpy()
     expected = np.minimum(expected, [150, 200, 150, 200])
     assert np.allclose(found.boxes_xyxy, expected)
-    on_device = PackedDetections(block=block, host=reader(block), num_landmarks=0, num_images=3).on_device()
+    on_device = packed().on_device()
     assert on_device.scores.device.type == device
     assert np.array_equal(on_device.to_host().scores, found.scores)
     assert np.array_equal(on_device.to_host().batch_index, found.batch_index)
@@ -167,7 +178,7 @@ def test_ssd_heads_finish_an_image_that_does_not_converge_exactly(device, monkey
         detector = Detector.from_config(ROOT / "configs" / "retinaface_mnet025_heads.yaml", device=device,
                                         batch_size=8, overrides=["postprocess.score_threshold=0.5"])
         (batch, found), = list(detector.stream(list_images(SAMPLES), on_error=lambda errors: None))
-        return found, detector.ssd_heads
+        return found, detector.postprocess
 
     expected, _ = detections()
     monkeypatch.setattr(postprocess, "NMS_STEPS", 1)

@@ -20,10 +20,10 @@ from PIL import Image
 
 from pipeline.cli import main
 from pipeline.device import Device
-from pipeline.preprocess import Preprocessor
-from pipeline.detector import preprocess_stream
+from pipeline.preprocess import Preprocessor, preprocess_stream
+from pipeline.results import ImageRef
 from pipeline.sinks import read_complete_records
-from pipeline.source import EncodedImage, ImageRef, image_size, sniff_format
+from pipeline.source import EncodedImage, image_size, sniff_format
 
 from conftest import ROOT, SAMPLES, cpu_and_cuda, read_jsonl
 
@@ -108,11 +108,10 @@ def build_corpus(folder: Path) -> tuple[Path, dict[str, set[str]]]:
 
 
 @cpu_and_cuda()
-@pytest.mark.parametrize("read_processes", [0, 2])  # files read on threads, or in worker processes
-def test_fault_injection_corpus(tmp_path, device, read_processes):
+def test_fault_injection_corpus(tmp_path, device):
     listing, expected = build_corpus(tmp_path / "corpus")
     code = main(["detect", str(listing), "--out", str(tmp_path / "out"), "--device", device, "--batch-size", "4",
-                 "--no-progress", "--set", f"run.read_processes={read_processes}"])
+                 "--no-progress"])
     assert code == 3
     done = read_jsonl(tmp_path / "out" / "detections.jsonl")
     failed = read_jsonl(tmp_path / "out" / "errors.jsonl")

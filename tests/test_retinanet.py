@@ -27,7 +27,7 @@ import export_retinanet as exporter  # noqa: E402
 from pipeline import Detector  # noqa: E402
 from pipeline.device import Device  # noqa: E402
 from pipeline.engine import SCALAR_INPUTS, Engine  # noqa: E402
-from pipeline.postprocess import RetinaNetHeads, to_device_meta  # noqa: E402
+from pipeline.postprocess import RetinaNetHeads, Thresholds, image_meta  # noqa: E402
 from pipeline.source import list_images  # noqa: E402
 
 SIZE = (512, 512)
@@ -218,8 +218,8 @@ def test_heads_model_gives_torchvisions_detections(exported, images, reference, 
     assert outputs["cls_logits"].shape == (BATCH, 49104, 91)
     post = RetinaNetHeads.from_metadata(engine.metadata, exported["retinanet_heads"], torch.device("cpu"))
     ones, zeros = np.ones((BATCH, 2), np.float32), np.zeros((BATCH, 2), np.float32)
-    meta = to_device_meta(ones, zeros, np.array([SIZE] * BATCH), torch.device("cpu"))
-    found = post(outputs, meta, **thresholds).to_host()
+    meta = image_meta(ones, zeros, np.array([SIZE] * BATCH), torch.device("cpu"))
+    found = post(outputs, meta, num_images=BATCH, thresholds=Thresholds(**thresholds)).to_host()
     for b, expected in enumerate(reference):
         rows = found.rows_of(b)
         assert_same_detections(found.boxes_xyxy[rows], found.scores[rows], found.labels[rows], expected,
@@ -237,11 +237,12 @@ def test_an_unsettled_image_is_finished_exactly(device, exported, images, thresh
                     cuda_options={"use_tf32": "0"} if device == "cuda" else None)
     outputs = {k: v.clone() for k, v in engine.run(images.to(device)).items()}
     layout = json.loads(engine.metadata[RETINANET_METADATA])
-    meta = to_device_meta(np.ones((BATCH, 2), np.float32), np.zeros((BATCH, 2), np.float32),
+    meta = image_meta(np.ones((BATCH, 2), np.float32), np.zeros((BATCH, 2), np.float32),
                           np.array([SIZE] * BATCH), torch.device("cpu"))
-    default = RetinaNetHeads(layout=layout, device=torch.device(device))(outputs, meta, **thresholds).to_host()
+    default = RetinaNetHeads(layout=layout, device=torch.device(device))(
+        outputs, meta, num_images=BATCH, thresholds=Thresholds(**thresholds)).to_host()
     short = RetinaNetHeads(layout=layout, device=torch.device(device), nms_prefix=16)
-    found = short(outputs, meta, **thresholds)
+    found = short(outputs, meta, num_images=BATCH, thresholds=Thresholds(**thresholds))
     assert found.host[0, :, 1].tolist() == [1.0] * BATCH  # settled now, all of them, by the exact path
     found = found.to_host()
     assert np.bincount(found.batch_index).tolist() == [thresholds["max_detections"]] * BATCH
@@ -406,11 +407,11 @@ def test_the_compiled_postprocess_keeps_the_same_detections(exported, images, re
     plain = RetinaNetHeads.from_metadata(engine.metadata, exported["retinanet_heads"], device)
     compiled = RetinaNetHeads.from_metadata(engine.metadata, exported["retinanet_heads"], device, compile=True)
     ones, zeros = np.ones((BATCH, 2), np.float32), np.zeros((BATCH, 2), np.float32)
-    meta = to_device_meta(ones, zeros, np.array([SIZE] * BATCH), device)
+    meta = image_meta(ones, zeros, np.array([SIZE] * BATCH), device)
     for score_threshold in (thresholds["score_threshold"], 0.0):
         options = dict(thresholds, score_threshold=score_threshold)
-        a = plain(outputs, meta, **options).to_host()
-        b = compiled(outputs, meta, **options).to_host()
+        a = plain(outputs, meta, num_images=BATCH, thresholds=Thresholds(**options)).to_host()
+        b = compiled(outputs, meta, num_images=BATCH, thresholds=Thresholds(**options)).to_host()
         assert compiled._packed.compiled is not None, "torch.compile failed (see the warning)"
         for i in range(BATCH):  # the plain kernels' detections, as torchvision's would be compared
             rows_a, rows_b = a.rows_of(i), b.rows_of(i)

@@ -1,0 +1,96 @@
+"""What can go wrong, the exit code each maps to, and how gpudet logs: one place for all three.
+
+    0    every image was processed
+    3    the run finished, but some images failed (errors.jsonl says which and why)
+    2    bad usage, config, source, model, device or output folder: the message names it
+    1    internal error (a bug): a traceback is printed, please report it
+    130  interrupted (Ctrl-C, SIGTERM): what was written is complete; --resume continues
+
+A problem the user can fix raises a `GpudetError`, whose message names the file, key or value
+and says what to do; `guarded` turns it into one line on stderr and its exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+log = logging.getLogger("gpudet")
+
+
+class GpudetError(Exception):
+    """A problem the user can fix; the message names what is wrong and what would fix it."""
+
+    exit_code = EXIT_USAGE
+
+
+class ConfigError(GpudetError, ValueError):
+    """A configuration key, option or file that cannot be used."""
+
+
+class SourceError(GpudetError, ValueError):
+    """The source itself (list file, folder, glob) cannot be used."""
+
+
+class ModelError(GpudetError, ValueError):
+    """A model gpudet cannot run; lists what was found and what was expected."""
+
+
+class DeviceError(GpudetError, RuntimeError):
+    """The requested device cannot be used."""
+
+
+class OutputError(GpudetError, ValueError):
+    """The output folder cannot be used as asked (it holds results of another run, say)."""
+
+
+class GpuOutOfMemory(GpudetError, RuntimeError):
+    """The model ran out of GPU memory even on one image, or retrying in halves is off."""
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)), "level": record.levelname,
+                 "logger": record.name, "message": record.getMessage()}
+        if hasattr(record, "summary"):
+            entry["summary"] = record.summary
+        return json.dumps(entry)
+
+
+def setup_logging(level: str = "WARNING", as_json: bool = False, quiet: bool = False) -> None:
+    """gpudet's messages on stderr, as text (`gpudet: LEVEL: message`) or one JSON object a line."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if as_json else logging.Formatter("gpudet: %(levelname)s: %(message)s"))
+    root = logging.getLogger("gpudet")
+    root.handlers[:] = [handler]
+    root.setLevel("ERROR" if quiet and level == "WARNING" else level)
+    root.propagate = False
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def guarded(run: Callable[[], int]) -> int:
+    """Run a command, mapping what can go wrong to the documented exit codes."""
+    # SIGTERM (a scheduler stopping the job) stops as cleanly as Ctrl-C: whole records, a summary.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        return run()
+    except GpudetError as e:
+        log.error("%s", e)
+        return e.exit_code
+    except KeyboardInterrupt:
+        log.error("interrupted")
+        return EXIT_INTERRUPTED
+    except Exception:
+        traceback.print_exc()
+        log.error("internal error (exit 1); please report it with the traceback above")
+        return EXIT_INTERNAL
