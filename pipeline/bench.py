@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -36,9 +37,10 @@ from .detector import Detector
 from .engine import SCALAR_INPUTS
 from .preprocess import Preprocessor, preprocess_stream
 from .results import ImageError, ImageRef
-from .sinks import OutputFolder, detection_records
+from .errors import SourceError
+from .sinks import OutputFolder, detection_records, read_complete_records
 from .source import EncodedImage, list_images, read_checked
-from .timing import StageClock
+from .timing import StageClock, process_seconds
 
 
 def naive_images_per_s(refs: list[ImageRef], detector: Detector) -> float:
@@ -102,11 +104,21 @@ class GpuUtilisation:
         self.mean = round(sum(samples) / len(samples), 1) if samples else None
 
 
-def gpudet_passes(refs: list[ImageRef], detector: Detector, passes: int = 1, *,
-                  warm_up: bool = True) -> list[tuple[float, dict]]:
-    """The pipeline as `gpudet detect` runs it: read, DALI, ORT, postprocess, JSONL records, timed
-    over `refs` `passes` times after one warm-up batch (warm_up=False: the caller ran one). Per
-    pass: images/s and {stage: seconds the loop waited on it, gpu_utilisation_percent}."""
+@dataclass
+class Pass:
+    """One timed pass of gpudet over the images: records written per second, the seconds the loop
+    waited on each stage, the GPU's mean utilisation, and the detections it wrote."""
+
+    images_per_s: float
+    seconds: float
+    stages: dict
+    detections_per_image: float
+
+
+def gpudet_passes(refs: list[ImageRef], detector: Detector, passes: int = 1, *, warm_up: bool = True) -> list[Pass]:
+    """The pipeline as `gpudet detect` runs it: read, DALI, ORT, postprocess, JSONL records into an
+    output folder, timed over `refs` `passes` times after one warm-up batch (warm_up=False: the
+    caller ran one). A rate counts the records written; an image that fails stops the benchmark."""
     if warm_up:
         list(detector.stream(refs[:detector.batch_size], lambda errors: None))
     runs = []
@@ -114,13 +126,22 @@ def gpudet_passes(refs: list[ImageRef], detector: Detector, passes: int = 1, *,
         clock = StageClock()
         with tempfile.TemporaryDirectory() as tmp, \
                 GpuUtilisation(detector.device.index if detector.device.is_cuda else None) as gpu:
+            folder = OutputFolder(tmp)
             start = time.perf_counter()
-            with OutputFolder(tmp).writing() as out:
-                for batch, found in detector.stream(refs, out.fail, clock=clock):
+            with folder.writing():
+                for batch, found in detector.stream(refs, folder.fail, clock=clock):
                     with clock("write"):
-                        out.record(detection_records(batch.refs, batch.orig_hw, found, detector.labels))
-            rate = len(refs) / (time.perf_counter() - start)
-        runs.append((rate, {**{k: round(v, 4) for k, v in clock.seconds.items()}, "gpu_utilisation_percent": gpu.mean}))
+                        folder.record(detection_records(batch.refs, batch.orig_hw, found, detector.labels))
+            seconds = time.perf_counter() - start
+            failed = read_complete_records(folder.files[1])
+        t = folder.tally
+        if t.failed:
+            raise SourceError(f"bench: {t.failed} of {len(refs)} images failed (first: {failed[0]['path']}: "
+                              f"{failed[0]['message']}); measure on images that decode")
+        runs.append(Pass(images_per_s=t.processed / seconds, seconds=seconds,
+                         stages={**{k: round(v, 4) for k, v in clock.seconds.items()},
+                                 "gpu_utilisation_percent": gpu.mean},
+                         detections_per_image=t.detections / max(t.processed, 1)))
     return runs
 
 
@@ -224,28 +245,28 @@ def code_version() -> dict:
 
 def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_naive: bool = False,
               naive_limit: int = 300, latency: int = 0, passes: int = 1, command: str = "") -> dict:
-    """naive_limit: the naive loop runs on the first N of the images (one at a time, ~40 img/s on
-    an H200 for RetinaFace: all 4,000 would take 100 s for the same rate). passes: gpudet's timed
-    passes over the images; the report's rate and stages are those of the median pass (the lower
-    of the middle two), every pass's rate is listed."""
+    """naive_limit: the naive loop runs on the first N of the images (one at a time, for the same
+    rate in a fraction of the time). passes: gpudet's timed passes over the images; the report's
+    rate and stages are those of the median pass (the lower of the middle two), every pass's rate
+    is listed."""
     host = machine()  # before the detector's threads start, for its python_loop_ms
     refs = list_images(source)[:limit]
     refs = [ImageRef(i, r.path) for i, r in enumerate(refs)]
-    # What a job pays once, before its images/s: the detector (model load, the engine's warm-up and
-    # CUDA graphs, the compiled postprocess) and the first batch (DALI's start, the decoder's), which
-    # is also the passes' warm-up.
+    # What a job pays once, before its images/s: from the command to a detector ready (imports,
+    # model load, the engine's warm-up and CUDA graphs), then the first batch (DALI's start, the
+    # decoder's), which is also the passes' warm-up.
     start = time.perf_counter()
     detector = Detector.from_config(config)
-    setup = {"detector": time.perf_counter() - start}
+    setup = {"detector": time.perf_counter() - start, "since_start": process_seconds()}
     config = detector.config  # a model with a static batch size has set run.batch_size
     start = time.perf_counter()
-    list(detector.stream(refs[:config.run.batch_size], lambda errors: None))
+    list(detector.stream(refs[:detector.batch_size], lambda errors: None))
     setup["first_batch"] = time.perf_counter() - start
-    items = [i for i in map(read_checked, refs[:config.run.batch_size]) if isinstance(i, EncodedImage)]
+    items = [i for i in map(read_checked, refs[:detector.batch_size]) if isinstance(i, EncodedImage)]
     runs = gpudet_passes(refs, detector, passes, warm_up=False)
-    gpudet_rate, stages = sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2]
+    median = sorted(runs, key=lambda run: run.images_per_s)[(len(runs) - 1) // 2]
     rates = {
-        "gpudet": gpudet_rate,
+        "gpudet": median.images_per_s,
         "model": model_images_per_s(items, detector, iterations),
         # every image, in memory, as many batches in flight as the pipeline keeps
         "preprocess": dali_images_per_s([i for i in map(read_checked, refs) if isinstance(i, EncodedImage)],
@@ -253,12 +274,14 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
     }
     # The naive loop and the latency mode run one image at a time: not with a fixed batch size.
     fixed_batch = detector.engine.declared_batch if detector.engine.declared_batch not in (None, 1) else None
-    skipped = {}
+    skipped, naive = {}, {}
     if fixed_batch and not skip_naive:
         skipped["naive"] = (f"the model takes batches of exactly {fixed_batch}; the naive loop runs one image at "
                             "a time: give it a model with a dynamic batch")
     elif not skip_naive:
         rates["naive"] = naive_images_per_s(refs[:naive_limit], detector)
+        naive = {"images": min(naive_limit, len(refs)), "batch": 1, "precision": detector.engine.image_input.dtype,
+                 "session": "the same model file, ORT's default provider options, numpy in and out"}
     # Ratios of the rates as reported (rounded), so the report checks out against itself.
     rates = {k: round(v, 2) for k, v in rates.items()}
     ratios = {"gpudet / model": rates["gpudet"] / rates["model"]}
@@ -270,12 +293,16 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
                           else latency_ms(refs, config, latency))
     return {
         **({"latency_batch_1": report_latency} if report_latency else {}), **({"skipped": skipped} if skipped else {}),
-        "images": len(refs), **({"naive_images": min(naive_limit, len(refs))} if "naive" in rates else {}),
-        "batch_size": config.run.batch_size, "device": detector.device.describe(),
-        "model": str(detector.model_path), "contract": detector.contract,
-        "images_per_s": rates, "gpudet_stages_s": stages,
+        "images": len(refs), **({"naive": naive} if naive else {}),
+        "batch_size": detector.batch_size, "device": detector.device.describe(),
+        "model": str(detector.model_path), "contract": detector.contract, "config": config.source_file,
+        "images_per_s": rates, "gpudet_stages_s": median.stages,
+        "detections_per_image": round(median.detections_per_image, 2),
         "gpudet_setup_s": {k: round(v, 3) for k, v in setup.items()},
-        **({"gpudet_passes_images_per_s": [round(rate, 2) for rate, _ in runs]} if passes > 1 else {}),
+        # what `gpudet detect` over these images takes from the command: setup, the first batch, the rest
+        "job_wall_s": round(setup["since_start"] + setup["first_batch"] +
+                            max(0, len(refs) - detector.batch_size) / median.images_per_s, 3),
+        **({"gpudet_passes_images_per_s": [round(run.images_per_s, 2) for run in runs]} if passes > 1 else {}),
         "ratios": {k: round(v, 3) for k, v in ratios.items()},
         "machine": host, "gpudet": code_version(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -288,7 +315,8 @@ def format_report(report: dict) -> str:
              f"{Path(report['model']).name} ({report['contract']})",
              f"  {'what':<12} {'images/s':>10}"]
     for name, rate in report["images_per_s"].items():
-        first = f"   (first {report['naive_images']} images)" if name == "naive" and "naive_images" in report else ""
+        naive = report.get("naive", {})
+        first = f"   (first {naive['images']} images, batch 1, {naive['precision']})" if name == "naive" else ""
         lines.append(f"  {name:<12} {rate:>10.1f}{first}")
     if "gpudet_passes_images_per_s" in report:
         lines.append("  gpudet passes (images/s, the median above): " +
@@ -296,8 +324,10 @@ def format_report(report: dict) -> str:
     lines += [f"  {name:<16} {value:.2f}x" for name, value in report["ratios"].items()]
     if "gpudet_setup_s" in report:
         setup = report["gpudet_setup_s"]
-        lines.append(f"  gpudet setup, paid once per job: {setup['detector']:.2f} s to build the detector, "
-                     f"{setup['first_batch']:.2f} s for the first batch")
+        lines.append(f"  gpudet setup, paid once per job: {setup['since_start']:.2f} s from the command to a ready "
+                     f"detector ({setup['detector']:.2f} s building it), {setup['first_batch']:.2f} s for the first "
+                     f"batch; {report['images']} images from the command: {report['job_wall_s']:.2f} s")
+        lines.append(f"  detections per image written: {report['detections_per_image']:.2f}")
     stages = dict(report["gpudet_stages_s"])
     gpu = stages.pop("gpu_utilisation_percent")
     lines.append("  gpudet stages (s the loop waited): " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()) +

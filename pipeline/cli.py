@@ -129,10 +129,12 @@ def cmd_detect(args: argparse.Namespace) -> int:
 
 def summary_table(s: dict) -> str:
     done = f" (+{s['already_done']} done before)" if s["already_done"] else ""
+    seconds = s["seconds"]
+    took = f"{seconds['wall']:.2f}s from the command" if "wall" in seconds else f"{seconds['total']:.2f}s"
+    setup = f"start {seconds['startup']:.2f}s + setup {seconds['setup']:.2f}s, then " if "setup" in seconds else ""
     lines = [f"gpudet: {s['processed']}/{s['images']} images{done}, {s['detections']} detections, {s['failed']} failed "
-             f"in {s['seconds']['total']:.2f}s ({s['images_per_s']} img/s on {s['device']})",
-             ]
-    stages = [f"{k} {v:.2f}s" for k, v in s["seconds"].items() if k != "total"]
+             f"in {took} ({setup}{s['images_per_s']} img/s on {s['device']})"]
+    stages = [f"{k} {v:.2f}s" for k, v in seconds.items() if k not in ("total", "wall", "startup", "setup")]
     if stages:
         lines.append("        stages: " + ", ".join(stages))
     for w in s.get("workers", []):

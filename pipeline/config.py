@@ -23,7 +23,11 @@ from .errors import ConfigError
 @dataclass
 class ModelConfig:
     path: str = "retinaface_mnet025.onnx"
-    """ONNX file. Relative paths resolve against the config file's folder, then gpudet's models/."""
+    """ONNX file. Relative paths resolve against the config file's folder, the working directory,
+    then gpudet's models/."""
+    cpu_path: str | None = None
+    """The ONNX file for a run on the CPU, where another build of the same network is faster (the
+    default config: float32 there, float16 on a GPU); None: `path` everywhere. --model sets both."""
     contract: Literal["auto", "end_to_end", "ssd_heads", "retinanet_heads"] = "auto"
     """How outputs are read (README, "Model contract"); auto recognises it from the output names."""
     labels: list[str] = field(default_factory=lambda: ["face"])
@@ -240,7 +244,7 @@ def option_overrides(*, model: str | None = None, device: str | None = None,
     """The `--set` overrides that the --model, --device and --batch-size options stand for."""
     overrides = []
     if model is not None:
-        overrides.append(f"model.path={json.dumps(str(model))}")
+        overrides += [f"model.path={json.dumps(str(model))}", "model.cpu_path=null"]
     if device is not None:
         overrides.append(f"run.device={device}")
     if batch_size is not None:
@@ -275,9 +279,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return config
 
 
-def resolve_model_path(config: Config) -> Path:
-    """model.path: absolute, or relative to the config's folder, else a file in gpudet's models/."""
-    given = Path(config.model.path).expanduser()
+def resolve_model_path(config: Config, *, on_cpu: bool = False) -> Path:
+    """model.path (on_cpu: model.cpu_path, if set): absolute, or relative to the config's folder,
+    the working directory, else a file in gpudet's models/."""
+    key = "cpu_path" if on_cpu and config.model.cpu_path else "path"
+    text = getattr(config.model, key)
+    given = Path(text).expanduser()
     candidates = [given] if given.is_absolute() else []
     if not given.is_absolute():
         if config.source_file:
@@ -287,6 +294,6 @@ def resolve_model_path(config: Config) -> Path:
         if candidate.is_file():
             return candidate.resolve()
     tried = ", ".join(str(c) for c in candidates)
-    raise ConfigError(f"model.path: {config.model.path} not found (looked in: {tried}); "
+    raise ConfigError(f"model.{key}: {text} not found (looked in: {tried}); "
                       "pass --model FILE or set model.path (models gpudet does not ship are made by scripts/, for "
                       "example scripts/export_retinanet.py for torchvision RetinaNet)")

@@ -82,7 +82,8 @@ class Detector:
             cuda_options["use_tf32"] = "0"
         if r.gpu_mem_limit_mb:  # the arena grows only by what is asked, so the cap is reached late and exactly
             cuda_options.update(gpu_mem_limit=str(r.gpu_mem_limit_mb << 20), arena_extend_strategy="kSameAsRequested")
-        engine = Engine(resolve_model_path(config), device=target, input_size_hw=tuple(p.size),
+        model_path = resolve_model_path(config, on_cpu=not target.is_cuda)
+        engine = Engine(model_path, device=target, input_size_hw=tuple(p.size),
                         scalars={"score_threshold": q.score_threshold, "iou_threshold": q.iou_threshold,
                                  "max_detections": q.max_detections},
                         batch_size=r.batch_size if r.cuda_graph else None, cuda_options=cuda_options,
@@ -244,7 +245,9 @@ def readable(batches: Iterable[list[EncodedImage | ImageError]],
              on_error: Callable[[list[ImageError]], None]) -> Iterator[list[EncodedImage]]:
     """The images of each batch that passed the source's checks; the others go to on_error."""
     for items in batches:
-        on_error([i for i in items if isinstance(i, ImageError)])
+        errors = [i for i in items if isinstance(i, ImageError)]
+        if errors:
+            on_error(errors)
         yield [i for i in items if isinstance(i, EncodedImage)]
 
 

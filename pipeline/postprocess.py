@@ -332,15 +332,19 @@ class SsdHeads:
         landmarks  [B, A, 2K]  optional, coded like the box centers
 
     The anchors are made once on the device. Only the top `pre_nms_top_k` candidates per image
-    are decoded; NMS is batched_nms (exact greedy, no host sync) in NMS_STEPS steps, and an image
-    that has not converged by then is done again alone, exactly.
+    are decoded. NMS (nms.top_nms: exact greedy, no host sync) looks at each image's best
+    `nms_prefix` candidates, NMS_STEPS fixed-point steps: that settles an image with no more
+    candidates above the threshold, whose suppression chains are that short (nearly every photo:
+    a face gives a handful of candidates). An image it does not settle is done again exactly, on
+    all its candidates, to the fixed point.
     """
 
     def __init__(self, *, strides: list[int], sizes: list[list[float]], variances: list[float],
                  pre_nms_top_k: int, input_hw: tuple[int, int], num_landmarks: int, device: torch.device,
-                 compile: bool = False):
+                 nms_prefix: int = 256, compile: bool = False):
         self.strides, self.sizes, self.variances = strides, sizes, variances
         self.pre_nms_top_k = pre_nms_top_k
+        self.nms_prefix = min(nms_prefix, pre_nms_top_k)
         self.input_hw = tuple(input_hw)
         self.num_landmarks = num_landmarks
         self.device = device
@@ -366,11 +370,12 @@ class SsdHeads:
         return self._anchors[key]
 
     def kept(self, loc: torch.Tensor, conf: torch.Tensor, num_images: torch.Tensor, *, input_hw: tuple[int, int],
-             score_threshold: float, iou_threshold: float, max_detections: int, max_iterations: int,
+             score_threshold: float, iou_threshold: float, max_detections: int, prefix: int, max_iterations: int,
              sync_every: int = 0):
-        """The static-shape part: top-k, decode, NMS. num_images: [] int64 tensor. Returns scores
-        [B, k], index [B, k] (anchors), boxes [B, k, 4] x1y1x2y2 input pixels, keep [B, k] (capped
-        at max_detections per image) and converged [B], all on the device."""
+        """The static-shape part: top-k, decode, NMS on the best `prefix` candidates (all of them:
+        the exact path, checked for convergence every `sync_every` steps). num_images: [] int64
+        tensor. Returns scores [B, k], index [B, k] (anchors), boxes [B, k, 4] x1y1x2y2 input
+        pixels, keep [B, k] (capped at max_detections per image) and settled [B], on the device."""
         anchors = self.anchors(*input_hw)
         scores_all = conf[..., 1].float()  # [B, A]
         scores, index = scores_all.topk(min(self.pre_nms_top_k, scores_all.shape[1]), dim=1)  # best first
@@ -382,13 +387,18 @@ class SsdHeads:
         centers = prior[..., :2] + coded[..., :2] * center_var * prior[..., 2:]
         wh = prior[..., 2:] * torch.exp(coded[..., 2:] * size_var)
         boxes = torch.cat([centers - wh / 2, centers + wh / 2], dim=-1)
-        keep, converged = batched_nms(boxes, scores, torch.zeros_like(index), valid, iou_threshold=iou_threshold,
-                                      max_iterations=max_iterations, sync_every=sync_every)
+        classes = torch.zeros_like(index)
+        if prefix < len(index[0]):
+            keep, settled = top_nms(boxes, scores, classes, valid, iou_threshold=iou_threshold,
+                                    max_kept=max_detections, prefix=prefix, max_iterations=max_iterations)
+            return scores, index, boxes, keep, settled
+        keep, settled = batched_nms(boxes, scores, classes, valid, iou_threshold=iou_threshold,
+                                    max_iterations=max_iterations, sync_every=sync_every)
         keep &= torch.cumsum(keep, dim=1) <= max_detections  # best first, so this caps per image
-        return scores, index, boxes, keep, converged
+        return scores, index, boxes, keep, settled
 
     def packed(self, *tensors: torch.Tensor, num_landmarks: int, **options) -> torch.Tensor:
-        """kept, then the final rows packed for the host (pack_rows; flag: NMS converged).
+        """kept, then the final rows packed for the host (pack_rows; flag: NMS settled).
         tensors: loc, conf, [landmarks if num_landmarks,] num_images [] int64, meta [B, 6]."""
         loc, conf, *landmarks, num_images, meta = tensors
         scores, index, boxes, keep, converged = self.kept(loc, conf, num_images, **options)
@@ -410,15 +420,15 @@ class SsdHeads:
                        iou_threshold=thresholds.iou_threshold, max_detections=thresholds.max_detections,
                        num_landmarks=self.num_landmarks)
         buffers = (outputs["loc"], outputs["conf"]) + ((outputs["landmarks"],) if self.num_landmarks else ())
-        block = self.graphs(self._packed, buffers, (torch.tensor(num_images), meta), max_iterations=NMS_STEPS,
-                            **options)
+        block = self.graphs(self._packed, buffers, (torch.tensor(num_images), meta), prefix=self.nms_prefix,
+                            max_iterations=NMS_STEPS, **options)
 
         def settle(images: list[int]) -> torch.Tensor:
             """The block with `images` done exactly: up to pre_nms_top_k steps, checked every 8."""
             rows = torch.tensor(images, device=block.device)
             again = self.packed(*(t[rows] for t in buffers), torch.tensor(len(images), device=block.device),
-                                meta[images].to(block.device), max_iterations=self.pre_nms_top_k, sync_every=8,
-                                **options)
+                                meta[images].to(block.device), prefix=self.pre_nms_top_k,
+                                max_iterations=self.pre_nms_top_k, sync_every=8, **options)
             settled = block.clone()
             settled[:, rows] = again
             return settled

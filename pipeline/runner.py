@@ -17,7 +17,7 @@ from .detector import Detector
 from .results import ImageError, ImageRef
 from .sinks import OutputFolder, RunResult, detection_records
 from .source import list_images
-from .timing import StageClock
+from .timing import StageClock, process_seconds
 
 
 def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | None = None,
@@ -34,6 +34,7 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, s
     from tqdm import tqdm
 
     started = datetime.now(timezone.utc)
+    startup_s = process_seconds()  # the command's start and imports, before this run's clock
     t0 = time.perf_counter()
     detector = Detector.from_config(config)
     setup_s = time.perf_counter() - t0
@@ -54,7 +55,10 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, s
     total_s = time.perf_counter() - t0
     summary = folder.write_summary(
         source=source, images=images, todo=len(todo), device=detector.device.describe(),
-        seconds={"total": total_s, "setup": setup_s, **clock.seconds}, loop_seconds=total_s - setup_s,
+        # wall: from the command; startup: its imports, before this run; setup: building the detector
+        seconds={"wall": process_seconds(), "startup": startup_s, "total": total_s, "setup": setup_s,
+                 **clock.seconds},
+        loop_seconds=total_s - setup_s,
         started=started, model=detector.describe(), config=detector.config.to_dict(),
         extra={"model_batch": detector.engine.run_batch or detector.batch_size})
     return RunResult(summary, folder.tally.exit_code)

@@ -336,10 +336,10 @@ def gpudet_runs(list_file: str, files: dict[str, Path], batch: int, log) -> dict
     for name in ("heads_fp16", "e2e_fp16"):
         config = load_config(CONFIG, [f"model.path={files[name]}", f"run.device={DEVICE}", f"run.batch_size={batch}"])
         detector = Detector.from_config(config)
-        (rate, stages), = gpudet_passes(refs, detector)
-        results[f"gpudet {name}"] = {"images_per_s": round(rate, 1), "contract": detector.contract,
-                                     "stages_s": stages}
-        log(f"gpudet {name}: {rate:.1f} img/s, {stages}")
+        run, = gpudet_passes(refs, detector)
+        results[f"gpudet {name}"] = {"images_per_s": round(run.images_per_s, 1), "contract": detector.contract,
+                                     "stages_s": run.stages, "detections_per_image": run.detections_per_image}
+        log(f"gpudet {name}: {run.images_per_s:.1f} img/s, {run.stages}")
     config = load_config(CONFIG, [f"model.path={files['e2e_fp32_dynamic']}", f"run.device={DEVICE}", "run.batch_size=1",
                                   "run.prefer_nhwc=false", "run.fuse_conv_bias=false"])
     detector = Detector.from_config(config)

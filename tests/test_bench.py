@@ -17,10 +17,14 @@ def test_bench_reports_rates_ratios_and_the_machine(tmp_path, capsys):
     assert all(rate > 0 for rate in report["images_per_s"].values())
     assert report["ratios"]["gpudet / naive"] == round(report["images_per_s"]["gpudet"] /
                                                        report["images_per_s"]["naive"], 3)
-    assert report["images"] == 6 and report["naive_images"] == 4 and report["machine"]["cores"] >= 1 and report["date"]
+    assert report["images"] == 6 and report["machine"]["cores"] >= 1 and report["date"]
+    assert report["naive"] == {"images": 4, "batch": 1, "precision": "float32",
+                               "session": "the same model file, ORT's default provider options, numpy in and out"}
+    assert report["detections_per_image"] == 0.5  # 3 faces in 6 photos, counted from the records written
     assert 0 < report["machine"]["python_loop_ms"] < 1000  # the host's speed on one core, for comparing machines
     setup = report["gpudet_setup_s"]  # what a job pays once: the detector, then its first batch
-    assert setup["detector"] > 0 and setup["first_batch"] > 0
+    assert setup["since_start"] >= setup["detector"] > 0 and setup["first_batch"] > 0
+    assert report["job_wall_s"] > setup["since_start"] + setup["first_batch"]
     # which code made the numbers: this checkout's commit (tests run from one)
     code = report["gpudet"]
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
@@ -34,9 +38,9 @@ def test_bench_reports_rates_ratios_and_the_machine(tmp_path, capsys):
     assert latency["images"] == 5 and 0 < latency["p50_ms"] <= latency["p99_ms"]
     out = capsys.readouterr().out
     assert "gpudet / naive" in out and "latency, batch 1, 5 images: p50" in out and "gpudet stages" in out
-    assert f"gpudet setup, paid once per job: {setup['detector']:.2f} s to build the detector" in out
+    assert f"({setup['detector']:.2f} s building it), {setup['first_batch']:.2f} s for the first batch" in out
     assert f"a fixed piece of Python in {report['machine']['python_loop_ms']:.1f} ms" in out
-    assert "(first 4 images)" in out and f"from {ROOT / 'pipeline'} at {code['commit']}" in out
+    assert "(first 4 images, batch 1, float32)" in out and f"from {ROOT / 'pipeline'} at {code['commit']}" in out
 
 
 def test_bench_passes_report_the_median_pass_and_list_them_all(tmp_path, capsys):
@@ -50,3 +54,14 @@ def test_bench_passes_report_the_median_pass_and_list_them_all(tmp_path, capsys)
     assert report["ratios"]["gpudet / model"] == round(sorted(passes)[1] / report["images_per_s"]["model"], 3)
     assert "gpudet passes (images/s, the median above): " + ", ".join(f"{r:.1f}" for r in passes) in \
         capsys.readouterr().out
+
+
+def test_bench_fails_loudly_when_an_image_fails(tmp_path, capsys):
+    """A rate counts the records written: an image that cannot be processed stops the benchmark
+    with its name, rather than a rate over fewer images than listed."""
+    listing = tmp_path / "list.txt"
+    (tmp_path / "bad.jpg").write_bytes(b"\xff\xd8\xff" + b"\x00" * 64)
+    listing.write_text(f"{SAMPLES / 'china.jpg'}\n{tmp_path / 'bad.jpg'}\n")
+    assert main(["bench", str(listing), "--device", "cpu", "--batch-size", "2", "--iterations", "1",
+                 "--skip-naive"]) == 2
+    assert "bench: 1 of 2 images failed (first: " + str(tmp_path / "bad.jpg") in capsys.readouterr().err

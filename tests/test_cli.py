@@ -32,7 +32,9 @@ def test_samples_give_the_expected_faces_with_a_smaller_last_batch(tmp_path, dev
     assert (tmp_path / "errors.jsonl").read_text() == ""
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["processed"] == 6 and summary["failed"] == 0 and summary["detections"] == 3
-    assert summary["model"]["contract"] == "end_to_end" and summary["config"]["run"]["batch_size"] == 4
+    # The default config: the float16 heads on a GPU, the float32 end-to-end model on the CPU
+    assert summary["model"]["contract"] == {"cpu": "end_to_end", "cuda": "ssd_heads"}[device]
+    assert summary["config"]["run"]["batch_size"] == 4
     assert set(summary["seconds"]) >= {"read", "preprocess", "engine", "postprocess", "write"}
 
 
@@ -124,6 +126,7 @@ def test_python_dash_m_and_the_console_script(tmp_path):
 
 @pytest.mark.cuda
 def test_gpu_and_cpu_give_the_same_detections(tmp_path):
+    """The default command on each device (float16 heads on the GPU, float32 on the CPU)."""
     for device in ("cpu", "cuda"):
         assert detect(SAMPLES, "--out", tmp_path / device, "--device", device) == 0
     cpu, gpu = (read_jsonl(tmp_path / d / "detections.jsonl") for d in ("cpu", "cuda"))
@@ -131,8 +134,8 @@ def test_gpu_and_cpu_give_the_same_detections(tmp_path):
     for a, b in zip(cpu, gpu):
         assert len(a["detections"]) == len(b["detections"]), a["path"]
         for da, db in zip(a["detections"], b["detections"]):
-            assert np.abs(np.array(da["box"]) - db["box"]).max() <= 2.0, (a["path"], da["box"], db["box"])
-            assert np.abs(np.array(da["landmarks"]) - db["landmarks"]).max() <= 2.0
+            assert np.abs(np.array(da["box"]) - db["box"]).max() <= 3.0, (a["path"], da["box"], db["box"])
+            assert np.abs(np.array(da["landmarks"]) - db["landmarks"]).max() <= 3.0
             assert abs(da["score"] - db["score"]) < 0.01
 
 

@@ -12,7 +12,10 @@ def write(tmp_path, text):
 def test_default_config_is_the_embedded_retinaface():
     config = load_config()
     assert config.model.labels == ["face"] and config.preprocess.channel_order == "BGR"
-    assert resolve_model_path(config).name == "retinaface_mnet025.onnx"
+    assert resolve_model_path(config).name == "retinaface_mnet025_heads_640_fp16_nhwc.onnx"  # a GPU's
+    assert resolve_model_path(config, on_cpu=True).name == "retinaface_mnet025.onnx"  # the CPU's: float32
+    given = load_config(None, ["model.path=mine.onnx", "model.cpu_path=null"])  # what --model sets
+    assert given.model.cpu_path is None
 
 
 @pytest.mark.parametrize("text, key", [
@@ -69,11 +72,11 @@ def test_model_path_resolves_against_the_config_folder(tmp_path):
     assert resolve_model_path(config) == (tmp_path / "m.onnx").resolve()
 
 
-@pytest.mark.parametrize("name, fused", [("retinanet_r50_coco", True), ("retinaface_mnet025", False),
-                                         ("retinaface_mnet025_heads", False), ("retinaface_mnet025_heads_fp16", True)])
+@pytest.mark.parametrize("name, fused", [("retinanet_r50_coco", True), ("retinaface_mnet025", True),
+                                         ("retinaface_mnet025_e2e", False), ("retinaface_mnet025_heads", False)])
 def test_only_the_configs_checked_on_a_gpu_ask_ort_to_fuse_the_conv_bias(name, fused):
-    """fuse_conv_bias is on where the GPU tests compare it with the CPU (RetinaNet, the float16
-    RetinaFace heads) and off elsewhere: on the H200, with the option on for every config, the
+    """fuse_conv_bias is on where the GPU tests compare it with the CPU (RetinaNet, the default
+    RetinaFace config's float16 heads) and off elsewhere: on the H200, with the option on for every config, the
     RetinaFace models once found hundreds of faces in a photo of one (docs/BENCHMARKS.md)."""
     from pathlib import Path
 

@@ -13,6 +13,7 @@ from pipeline.timing import StageClock
 
 from conftest import SAMPLES, cpu_and_cuda
 
+E2E = SAMPLES.parent / "configs" / "retinaface_mnet025_e2e.yaml"
 GOOD = np.fromfile(SAMPLES / "grace_hopper.jpg", np.uint8)
 CORRUPT = np.concatenate([GOOD[:400], np.zeros(2000, np.uint8)])  # a JPEG cut off in its scan data
 GARBAGE = np.frombuffer(b"\xff\xd8\xff" + b"\x13" * 500, np.uint8)  # a JPEG signature, then noise
@@ -69,12 +70,12 @@ def test_stage_clock_is_exclusive(monkeypatch):
 @cpu_and_cuda()
 def test_running_the_model_in_parts_gives_the_same_detections(device):
     """The out-of-memory fallback (Engine.run_batch): views of DALI's buffer, run a few images at a
-    time, their outputs joined as one batch's."""
+    time, their outputs joined as one batch's (the end-to-end model: dynamic outputs, no CUDA graph)."""
     from pipeline import Detector
     from pipeline.postprocess import image_meta
     from pipeline.source import list_images, read_checked
 
-    detector = Detector.from_config(device=device, batch_size=8)
+    detector = Detector.from_config(E2E, device=device, batch_size=8)
     engine, preprocessor = detector.engine, detector.preprocessor
     preprocessor.pad_partial_batches = True
     batch = preprocessor.run([read_checked(r) for r in list_images(SAMPLES)])  # 6 images padded to 8
@@ -97,7 +98,8 @@ def test_running_the_model_in_parts_gives_the_same_detections(device):
 
 @pytest.mark.cuda
 def test_gpu_out_of_memory_halves_the_model_batch_and_finishes(tmp_path):
-    """A real ORT out-of-memory under run.gpu_mem_limit_mb: the run goes on with smaller model batches."""
+    """A real ORT out-of-memory under run.gpu_mem_limit_mb: the run goes on with smaller model batches
+    (the end-to-end model: a CUDA graph, as the default config's, runs whole batches only)."""
     import json
 
     from pipeline.cli import main
@@ -108,7 +110,7 @@ def test_gpu_out_of_memory_halves_the_model_batch_and_finishes(tmp_path):
     for limit in (64, 128, 256, 512, 1024):
         out = tmp_path / f"limit{limit}"
         code = main(["detect", str(SAMPLES), "--out", str(out), "--device", "cuda", "--batch-size", "64",
-                     "--set", f"run.gpu_mem_limit_mb={limit}", "--no-progress"])
+                     "--config", str(E2E), "--set", f"run.gpu_mem_limit_mb={limit}", "--no-progress"])
         summary = json.loads((out / "summary.json").read_text()) if code == 0 else {}
         outcomes[limit] = (code, summary.get("model_batch"))
         if code == 0 and summary["model_batch"] < 64:
@@ -116,7 +118,7 @@ def test_gpu_out_of_memory_halves_the_model_batch_and_finishes(tmp_path):
             assert faces == EXPECTED_FACES
             # With retrying off, the same limit is a clear error naming the batch size.
             code_off = main(["detect", str(SAMPLES), "--out", str(tmp_path / "off"), "--device", "cuda",
-                             "--batch-size", "64", "--set", f"run.gpu_mem_limit_mb={limit}",
+                             "--batch-size", "64", "--config", str(E2E), "--set", f"run.gpu_mem_limit_mb={limit}",
                              "--set", "run.oom_retry=false", "--no-progress"])
             assert code_off == 2
             print(f"gpu_mem_limit_mb={limit}: model batch 64 -> {summary['model_batch']}; outcomes {outcomes}")

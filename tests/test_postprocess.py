@@ -208,10 +208,10 @@ def sample_detections(config: str, device: str = "cpu", overrides: tuple[str, ..
     return detector, found
 
 
-def test_the_float16_heads_config_finds_the_float32_faces():
-    """configs/retinaface_mnet025_heads_fp16.yaml (the GPU's fastest) on the CPU: the faces of the
-    float32 heads model, within 3 px and 0.01 in score (float16 weights and activations)."""
-    (_, fp16), (_, fp32) = sample_detections("retinaface_mnet025_heads_fp16.yaml"), \
+def test_the_default_gpu_model_finds_the_float32_faces():
+    """The default config's GPU model (float16 heads, NHWC input), run here on the CPU: the faces of
+    the float32 heads model, within 3 px and 0.01 in score (float16 weights and activations)."""
+    (_, fp16), (_, fp32) = sample_detections("retinaface_mnet025.yaml", overrides=("model.cpu_path=null",)), \
         sample_detections("retinaface_mnet025_heads.yaml")
     assert fp16.batch_index.tolist() == fp32.batch_index.tolist() and len(fp32.scores) >= 3
     assert np.allclose(fp16.scores, fp32.scores, atol=0.01)
@@ -220,20 +220,18 @@ def test_the_float16_heads_config_finds_the_float32_faces():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch_size", [32, 4])
-def test_the_float16_heads_config_on_the_gpu_finds_the_cpus_faces(batch_size):
-    """configs/retinaface_mnet025_heads_fp16.yaml as it runs on a GPU (ORT's CUDA graph and the
-    config's CUDA EP options, the compiled postprocess replayed as CUDA graphs, several batches
-    through the pipeline's threads) finds, image by image, the faces the same config finds on the
-    CPU: within 3 px and 0.01 in score. 36 images: at batch 32 a full batch and a short one."""
+def test_the_default_config_on_the_gpu_finds_the_cpus_faces(batch_size):
+    """The default config as it runs on a GPU (the float16 heads, ORT's CUDA graph and the config's
+    CUDA EP options, the postprocess replayed as CUDA graphs, several batches through the
+    pipeline's threads) finds, image by image, the faces it finds on the CPU (the float32 model):
+    within 3 px and 0.01 in score. 36 images: at batch 32 a full batch and a short one."""
     from pipeline import Detector
     from pipeline.source import list_images
 
     paths = [ref.path for ref in list_images(SAMPLES)] * 6
 
     def results(device, batch):
-        detector = Detector.from_config(ROOT / "configs" / "retinaface_mnet025_heads_fp16.yaml", device=device,
-                                        batch_size=batch)
-        return list(detector.run(paths))
+        return list(Detector.from_config(device=device, batch_size=batch).run(paths))
 
     cpu, gpu = results("cpu", 8), results("cuda", batch_size)
     assert [r.index for r in gpu] == [r.index for r in cpu] == list(range(len(paths)))
@@ -243,17 +241,3 @@ def test_the_float16_heads_config_on_the_gpu_finds_the_cpus_faces(batch_size):
         np.testing.assert_allclose(got.scores, want.scores, atol=0.01, err_msg=got.path)
         assert np.abs(got.boxes_xyxy - want.boxes_xyxy).max(initial=0) < 3, got.path
         assert np.abs(got.landmarks - want.landmarks).max(initial=0) < 3, got.path
-
-
-@cpu_and_cuda()
-def test_the_nhwc_input_build_finds_the_same_faces(device):
-    """models/retinaface_mnet025_heads_640_fp16_nhwc.onnx (build_retinaface.py --nhwc: the image as
-    [B, H, W, 3], which DALI then writes without its permute) in the float16 heads config: the NCHW
-    model's faces, on the CPU and with the config's GPU options."""
-    config = "retinaface_mnet025_heads_fp16.yaml"
-    nchw, a = sample_detections(config, device)
-    nhwc, b = sample_detections(config, device, ("model.path=retinaface_mnet025_heads_640_fp16_nhwc.onnx",))
-    assert (nchw.engine.image_input.layout, nhwc.engine.image_input.layout) == ("NCHW", "NHWC")
-    assert a.batch_index.tolist() == b.batch_index.tolist() and len(a.scores) == sum(EXPECTED_FACES.values())
-    assert np.allclose(a.scores, b.scores, atol=1e-3)
-    assert np.abs(a.boxes_xyxy - b.boxes_xyxy).max() < 0.05 and np.abs(a.landmarks - b.landmarks).max() < 0.05
