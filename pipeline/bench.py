@@ -126,9 +126,8 @@ def gpudet_passes(refs: list[ImageRef], detector: Detector, passes: int = 1, *, 
         clock = StageClock()
         with tempfile.TemporaryDirectory() as tmp, \
                 GpuUtilisation(detector.device.index if detector.device.is_cuda else None) as gpu:
-            folder = OutputFolder(tmp)
             start = time.perf_counter()
-            with folder.writing():
+            with OutputFolder(tmp) as folder, folder.writing():
                 for batch, found in detector.stream(refs, folder.fail, clock=clock):
                     with clock("write"):
                         folder.record(detection_records(batch.refs, batch.orig_hw, found, detector.labels))

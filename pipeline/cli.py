@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shlex
 import sys
 
 from ._version import __version__
-from .errors import EXIT_OK, ConfigError, guarded, setup_logging
+from .errors import EXIT_OK, ConfigError, catch_signals, guarded, setup_logging
 
 log = logging.getLogger("gpudet")
 
@@ -121,10 +122,18 @@ def cmd_detect(args: argparse.Namespace) -> int:
     log.info("run finished", extra={"summary": {k: s[k] for k in ("images", "already_done", "processed", "failed",
                                                                   "detections", "images_per_s", "interrupted")}})
     if s["interrupted"]:
-        print("gpudet: interrupted; results so far are complete; continue with --resume", file=sys.stderr)
+        log.error("interrupted; results so far are complete; continue with --resume")
     if not args.quiet:
-        print(summary_table(s))
+        say(summary_table(s))
     return result.exit_code
+
+
+def say(text: str) -> None:
+    """Print to stdout. A reader that closed it (`| head`, `| true`) is no failure of the run's."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # Python's advice: stdout to devnull, so that the flush at exit fails no more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def summary_table(s: dict) -> str:
@@ -158,7 +167,7 @@ def cmd_export_coco(args: argparse.Namespace) -> int:
     if unmatched:
         log.warning("%d images of %s are not in %s; skipped", unmatched, args.detections, args.annotations)
     if not args.quiet:
-        print(f"gpudet: {len(results)} detections written to {args.out}" +
+        say(f"gpudet: {len(results)} detections written to {args.out}" +
               (f" ({unmatched} images not in the annotation file)" if unmatched else ""))
     return EXIT_OK
 
@@ -166,17 +175,16 @@ def cmd_export_coco(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from .coco import evaluate, load_annotations, read_detections, to_coco_results
 
-    gt = load_annotations(args.annotations)
+    gt = load_annotations(args.annotations, for_eval=True)
     results, unmatched = to_coco_results(read_detections(args.detections), gt)
     metrics = evaluate(gt, results)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"metrics": metrics, "detections": len(results), "unmatched_images": unmatched}, f, indent=2)
     if not args.quiet:
-        print(f"gpudet eval: {len(results)} detections on {len(gt['images'])} annotated images"
-              + (f" ({unmatched} detected images not annotated)" if unmatched else ""))
-        for name, value in metrics.items():
-            print(f"  {name:<6} {value:.4f}")
+        say("\n".join([f"gpudet eval: {len(results)} detections on {len(gt['images'])} annotated images"
+                        + (f" ({unmatched} detected images not annotated)" if unmatched else "")]
+                       + [f"  {name:<6} {value:.4f}" for name, value in metrics.items()]))
     return EXIT_OK
 
 
@@ -186,7 +194,7 @@ def cmd_draw(args: argparse.Namespace) -> int:
 
     written = draw_records(read_detections(args.detections), args.out, limit=args.limit, min_score=args.min_score)
     if not args.quiet:
-        print(f"gpudet: {len(written)} images drawn into {args.out}")
+        say(f"gpudet: {len(written)} images drawn into {args.out}")
     return EXIT_OK
 
 
@@ -194,7 +202,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .modelinfo import format_info, inspect_model
 
     info = inspect_model(args.model, size_hw=tuple(args.size))
-    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    say(json.dumps(info, indent=2) if args.json else format_info(info))
     return EXIT_OK
 
 
@@ -209,11 +217,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        command=shlex.join(["gpudet", *args.argv]))
     if args.json:
         write_report(report, args.json)
-    print(format_report(report))
+    say(format_report(report))
     return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
+    catch_signals()  # from the start: an interrupt during the imports ends as cleanly as one later
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging(args.log_level, args.log_json, args.quiet)

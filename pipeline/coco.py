@@ -17,15 +17,17 @@ from .errors import ConfigError
 METRICS = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 
 
-def load_annotations(path: str | Path) -> dict:
+def load_annotations(path: str | Path, *, for_eval: bool = False) -> dict:
+    """A COCO annotation file: its images and categories (and, for_eval, its annotations)."""
     path = Path(path)
     try:
         gt = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"--annotations {path}: cannot read a COCO annotation file: {e}") from None
-    for key in ("images", "categories"):
-        if not isinstance(gt.get(key), list):
-            raise ConfigError(f"--annotations {path}: no '{key}' list; is this a COCO annotation file?")
+    for key in ("images", "categories") + (("annotations",) if for_eval else ()):
+        if not isinstance(gt, dict) or not isinstance(gt.get(key), list):
+            raise ConfigError(f"--annotations {path}: no '{key}' list; is this a COCO annotation file"
+                              + (" with ground truth (eval needs it)?" if key == "annotations" else "?"))
     return gt
 
 
@@ -87,7 +89,22 @@ def evaluate(gt: dict, results: list[dict]) -> dict[str, float]:
 
 
 def read_detections(path: str | Path) -> list[dict]:
+    """The records of a detections.jsonl that gpudet detect wrote; a file that is not one is an
+    error naming its first bad line."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path} does not exist; pass the detections.jsonl that gpudet detect wrote")
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = []
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                record = None
+            if not isinstance(record, dict) or not {"path", "detections"} <= record.keys():
+                raise ConfigError(f"{path}, line {number}: not a record of gpudet detect; pass the detections.jsonl "
+                                  "it wrote")
+            records.append(record)
+    return records

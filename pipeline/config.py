@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -61,6 +62,11 @@ class PreprocessConfig:
     max_pixels: int = 100_000_000
     """Refuse (too_large) images whose header declares more pixels: 100 MP decodes to 300 MB.
     0 turns the check off."""
+    max_file_mb: int = 512
+    """Refuse (too_large) files larger than this many MiB before reading them. 0: no cap."""
+    max_batch_pixels: int = 400_000_000
+    """What one batch may decode at once, in declared pixels (3 bytes each): a batch of larger
+    images is decoded in smaller batches. 400 MP holds 32 photos of 12 MP. 0: no bound."""
     hw_decoder_load: float = 0.9
     """decoder auto on a GPU with a hardware JPEG decoder (A100, H100, H200): the share of each
     batch's JPEGs it decodes (DALI's hw_decoder_load; its default is 0.65, slower on the H200:
@@ -146,32 +152,38 @@ class Config:
                 raise ConfigError(f"{key}: {message}")
 
         p = self.preprocess
-        need(len(p.size) == 2 and all(v > 0 for v in p.size), "preprocess.size", "needs [height, width] > 0")
+        need(len(p.size) == 2 and all(0 < v <= MAX_SIDE for v in p.size), "preprocess.size",
+             f"needs [height, width], each in 1..{MAX_SIDE}")
         need(len(p.mean) == 3, "preprocess.mean", "needs 3 values, one per channel")
         need(len(p.std) == 3 and all(v > 0 for v in p.std), "preprocess.std", "needs 3 values > 0")
         need(p.max_pixels >= 0, "preprocess.max_pixels", "must be >= 0 (0: no limit)")
+        need(p.max_file_mb >= 0, "preprocess.max_file_mb", "must be >= 0 (0: no cap)")
+        need(p.max_batch_pixels >= 0, "preprocess.max_batch_pixels", "must be >= 0 (0: no bound)")
+        need(0 <= p.pad_value <= 255, "preprocess.pad_value", "must be a pixel value in [0, 255]")
         need(0.0 <= p.hw_decoder_load <= 1.0, "preprocess.hw_decoder_load", "must be in [0, 1]")
         q = self.postprocess
         need(0.0 <= q.score_threshold <= 1.0, "postprocess.score_threshold", "must be in [0, 1]")
         need(0.0 < q.iou_threshold <= 1.0, "postprocess.iou_threshold", "must be in (0, 1]")
-        need(q.max_detections > 0, "postprocess.max_detections", "must be > 0")
-        need(q.pre_nms_top_k > 0, "postprocess.pre_nms_top_k", "must be > 0")
+        need(0 < q.max_detections <= 100_000, "postprocess.max_detections", "must be in 1..100000")
+        need(0 < q.pre_nms_top_k <= 100_000, "postprocess.pre_nms_top_k", "must be in 1..100000")
         m = self.model
         need(len(m.anchor_strides) == len(m.anchor_sizes), "model.anchor_sizes", "needs one list per anchor stride")
         need(len(m.box_variances) == 2, "model.box_variances", "needs [center, size]")
-        need(self.run.batch_size > 0, "run.batch_size", "must be > 0")
-        need(self.run.num_threads > 0, "run.num_threads", "must be > 0")
+        need(0 < self.run.batch_size <= 4096, "run.batch_size", "must be in 1..4096")
+        need(0 < self.run.num_threads <= 256, "run.num_threads", "must be in 1..256")
         need(self.run.worker_restarts >= 0, "run.worker_restarts", "must be >= 0 (0: never restart a worker)")
-        need(self.run.prefetch_batches > 0, "run.prefetch_batches", "must be > 0")
-        need(self.run.pipeline_depth >= 2, "run.pipeline_depth", "must be >= 2 (the postprocess of one batch "
-             "overlaps the model on the next)")
+        need(0 < self.run.prefetch_batches <= 16, "run.prefetch_batches", "must be in 1..16")
+        need(2 <= self.run.pipeline_depth <= 8, "run.pipeline_depth", "must be in 2..8 (2: the postprocess of one "
+             "batch overlaps the model on the next)")
         need(self.run.gpu_mem_limit_mb >= 0, "run.gpu_mem_limit_mb", "must be >= 0 (0: no cap)")
         need(self.run.prefer_nhwc or not self.run.fuse_conv_bias, "run.fuse_conv_bias",
              "needs run.prefer_nhwc: true (in NCHW cuDNN has no fused kernel for a 3-channel stem); set "
              "prefer_nhwc, or fuse_conv_bias: false")
-        need(self.model.landmarks >= 0, "model.landmarks", "must be >= 0")
+        need(0 <= self.model.landmarks <= 1000, "model.landmarks", "must be in 0..1000")
         need(len(self.model.labels) > 0, "model.labels", "needs at least one name")
 
+
+MAX_SIDE = 16384  # the largest model input side gpudet accepts (pixels)
 
 SECTIONS = {"model": ModelConfig, "preprocess": PreprocessConfig, "postprocess": PostprocessConfig,
             "run": RunConfig}
@@ -198,6 +210,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: {value!r} is not a finite number")
     if hint in (int, float, str, bool) and (type(value) is not hint):
         raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r} ({type(value).__name__})")
     return value
@@ -228,7 +242,7 @@ def parse_override(text: str) -> dict[str, Any]:
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {text!r}: value is not valid YAML: {e}") from None
+        raise ConfigError(f"--set {text!r}: value is not valid YAML: {' '.join(str(e).split())}") from None
     return {parts[0]: {parts[1]: value}}
 
 
@@ -266,9 +280,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        values = yaml.safe_load(path.read_text()) or {}
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file; --config takes a YAML config (configs/ has examples)") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it: {e.strerror or e}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     config = Config(source_file=str(path))
@@ -281,7 +299,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 
 def resolve_model_path(config: Config, *, on_cpu: bool = False) -> Path:
     """model.path (on_cpu: model.cpu_path, if set): absolute, or relative to the config's folder,
-    the working directory, else a file in gpudet's models/."""
+    then the working directory; a bare file name also in gpudet's models/."""
     key = "cpu_path" if on_cpu and config.model.cpu_path else "path"
     text = getattr(config.model, key)
     given = Path(text).expanduser()
@@ -289,7 +307,9 @@ def resolve_model_path(config: Config, *, on_cpu: bool = False) -> Path:
     if not given.is_absolute():
         if config.source_file:
             candidates.append(Path(config.source_file).parent / given)
-        candidates += [Path.cwd() / given, builtin_model_dir() / given.name]
+        candidates.append(Path.cwd() / given)
+        if given.name == text:  # a path with a folder means that folder: never another file of its name
+            candidates.append(builtin_model_dir() / given.name)
     for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()

@@ -22,14 +22,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import Config, load_config, option_overrides, resolve_model_path
-from .device import resolve_device
-from .engine import Engine, Launched, detect_contract
+from .config import Config, RunConfig, load_config, option_overrides, resolve_model_path
+from .device import Device, free_bytes, resolve_device
+from .engine import Engine, Launched, detect_contract, landmark_points
+from .errors import ConfigError
 from .postprocess import (DeviceDetections, EndToEnd, PackedDetections, RetinaNetHeads, SsdHeads, Thresholds,
                           image_meta)
 from .preprocess import PreprocessedBatch, Preprocessor, preprocess_stream
 from .results import Detections, ImageError, ImageRef, ImageResult
-from .source import EncodedImage, list_images, read_batches
+from .source import EncodedImage, list_images, read_batches, within_pixels
 from .timing import StageClock
 
 log = logging.getLogger("gpudet")
@@ -47,12 +48,16 @@ class Detector:
 
     def __init__(self, *, engine: Engine, preprocessor: Preprocessor, postprocess: Postprocess,
                  thresholds: Thresholds, labels: list[str], contract: str, num_threads: int = 4,
-                 max_pixels: int = 0, prefetch_batches: int = 2, config: Config | None = None):
+                 max_pixels: int = 0, max_file_bytes: int = 0, max_batch_pixels: int = 0, prefetch_batches: int = 2,
+                 config: Config | None = None):
         """The stages, built (`from_config` builds them from a config). thresholds: what the
-        postprocess keeps unless a stream says otherwise. config: what built them, for reports."""
+        postprocess keeps unless a stream says otherwise. max_pixels, max_file_bytes: the
+        source's checks (0: none); max_batch_pixels: what one DALI batch may decode (0: no bound).
+        config: what built them, for reports."""
         self.engine, self.preprocessor, self.postprocess = engine, preprocessor, postprocess
         self.thresholds, self.labels, self.contract = thresholds, labels, contract
-        self.num_threads, self.max_pixels, self.prefetch_batches = num_threads, max_pixels, prefetch_batches
+        self.num_threads, self.prefetch_batches = num_threads, prefetch_batches
+        self.max_pixels, self.max_file_bytes, self.max_batch_pixels = max_pixels, max_file_bytes, max_batch_pixels
         self.config = config
         self.device = engine.device
         self.model_path = engine.model_path
@@ -75,33 +80,28 @@ class Detector:
             raise ValueError("overrides apply to a config file; change a loaded Config with dataclasses.replace")
         m, p, q, r = config.model, config.preprocess, config.postprocess, config.run
         target = resolve_device(r.device)
-        cuda_options = {"prefer_nhwc": "1"} if r.prefer_nhwc else {}
-        if r.fuse_conv_bias:
-            cuda_options["fuse_conv_bias"] = "1"
-        if not r.tf32:
-            cuda_options["use_tf32"] = "0"
-        if r.gpu_mem_limit_mb:  # the arena grows only by what is asked, so the cap is reached late and exactly
-            cuda_options.update(gpu_mem_limit=str(r.gpu_mem_limit_mb << 20), arena_extend_strategy="kSameAsRequested")
-        model_path = resolve_model_path(config, on_cpu=not target.is_cuda)
-        engine = Engine(model_path, device=target, input_size_hw=tuple(p.size),
-                        scalars={"score_threshold": q.score_threshold, "iou_threshold": q.iou_threshold,
-                                 "max_detections": q.max_detections},
-                        batch_size=r.batch_size if r.cuda_graph else None, cuda_options=cuda_options,
+        engine = Engine(resolve_model_path(config, on_cpu=not target.is_cuda), device=target,
+                        input_size_hw=tuple(p.size), scalars={"score_threshold": q.score_threshold,
+                                                              "iou_threshold": q.iou_threshold,
+                                                              "max_detections": q.max_detections},
+                        batch_size=r.batch_size if r.cuda_graph else None, cuda_options=cuda_ep_options(r),
                         cuda_graph=r.cuda_graph, slots=r.pipeline_depth, oom_retry=r.oom_retry)
         if engine.declared_batch not in (None, r.batch_size):
             log.info("%s takes batches of exactly %d images: run.batch_size %d -> %d", engine.model_path.name,
                      engine.declared_batch, r.batch_size, engine.declared_batch)
             config = dataclasses.replace(config, run=dataclasses.replace(r, batch_size=engine.declared_batch))
         contract = detect_contract(engine.outputs, m.contract, engine.model_path)
+        landmarks = landmark_points(engine.outputs, m.landmarks, engine.model_path)
         image = engine.image_input
         height, width = image.size_hw or tuple(p.size)
+        check_memory(target, batch_size=config.run.batch_size, height=height, width=width,
+                     value_bytes=2 if image.dtype == "float16" else 4, batches=r.prefetch_batches + r.pipeline_depth)
         preprocessor = Preprocessor(
             device=target, batch_size=config.run.batch_size, num_threads=r.num_threads, height=height, width=width,
             resize=p.resize, channel_order=p.channel_order, mean=p.mean, std=p.std, pad_value=p.pad_value,
             dtype=image.dtype, layout=image.layout, decoder=p.decoder, hw_decoder_load=p.hw_decoder_load,
             # On the GPU a new batch shape costs a cuDNN search; a static-batch model takes no other.
             pad_partial_batches=target.is_cuda or image.batch is not None)
-        landmarks = m.landmarks if any(s.name == "landmarks" for s in engine.outputs) else 0
         if contract == "end_to_end":
             postprocess = EndToEnd(num_landmarks=landmarks)
         elif contract == "ssd_heads":
@@ -113,8 +113,8 @@ class Detector:
                                                        compile=q.compile)
         return cls(engine=engine, preprocessor=preprocessor, postprocess=postprocess, contract=contract,
                    thresholds=Thresholds(q.score_threshold, q.iou_threshold, q.max_detections), labels=m.labels,
-                   num_threads=r.num_threads, max_pixels=p.max_pixels, prefetch_batches=r.prefetch_batches,
-                   config=config)
+                   num_threads=r.num_threads, max_pixels=p.max_pixels, max_file_bytes=p.max_file_mb << 20,
+                   max_batch_pixels=p.max_batch_pixels, prefetch_batches=r.prefetch_batches, config=config)
 
     def describe(self) -> dict:
         """What runs: the model file (path, sha256), its contract, inputs and outputs, ORT's providers."""
@@ -153,9 +153,9 @@ class Detector:
         pending: deque[tuple[PreprocessedBatch, Future]] = deque()  # past DALI, oldest first
         reading: dict[int, Future] = {}  # slot -> the postprocess reading its buffers
         files = clock.timed(read_batches(refs, batch_size=self.batch_size, num_threads=self.num_threads,
-                                         max_pixels=self.max_pixels), "read")
-        batches = clock.timed(preprocess_stream(self.preprocessor, readable(files, on_error), on_error,
-                                                depth=self.prefetch_batches), "preprocess")
+                                         max_pixels=self.max_pixels, max_bytes=self.max_file_bytes), "read")
+        batches = clock.timed(preprocess_stream(self.preprocessor, readable(files, on_error, self.max_batch_pixels),
+                                                on_error, depth=self.prefetch_batches), "preprocess")
         with self._threads() as (engine, post):
             for i, batch in enumerate(batches):  # source: files read ahead, checked -> preprocess: DALI
                 slot = i % depth
@@ -241,14 +241,39 @@ class Detector:
         yield from failed
 
 
-def readable(batches: Iterable[list[EncodedImage | ImageError]],
-             on_error: Callable[[list[ImageError]], None]) -> Iterator[list[EncodedImage]]:
-    """The images of each batch that passed the source's checks; the others go to on_error."""
+def readable(batches: Iterable[list[EncodedImage | ImageError]], on_error: Callable[[list[ImageError]], None],
+             max_batch_pixels: int) -> Iterator[list[EncodedImage]]:
+    """The images of each batch that passed the source's checks, in parts that decode to at most
+    max_batch_pixels; the others go to on_error."""
     for items in batches:
         errors = [i for i in items if isinstance(i, ImageError)]
         if errors:
             on_error(errors)
-        yield [i for i in items if isinstance(i, EncodedImage)]
+        yield from within_pixels([i for i in items if isinstance(i, EncodedImage)], max_batch_pixels)
+
+
+def cuda_ep_options(run: RunConfig) -> dict[str, str]:
+    """run.* as ONNX Runtime CUDA EP options."""
+    options = {"prefer_nhwc": "1"} if run.prefer_nhwc else {}
+    if run.fuse_conv_bias:
+        options["fuse_conv_bias"] = "1"
+    if not run.tf32:
+        options["use_tf32"] = "0"
+    if run.gpu_mem_limit_mb:  # the arena grows only by what is asked, so the cap is reached late and exactly
+        options.update(gpu_mem_limit=str(run.gpu_mem_limit_mb << 20), arena_extend_strategy="kSameAsRequested")
+    return options
+
+
+def check_memory(device: Device, *, batch_size: int, height: int, width: int, value_bytes: int, batches: int) -> None:
+    """Refuse, before anything runs, a batch size and input size whose model inputs alone (`batches`
+    of them in flight) would not fit in the device's free memory."""
+    need = batch_size * height * width * 3 * value_bytes * batches
+    free = free_bytes(device)
+    if need > 0.8 * free:
+        raise ConfigError(f"run.batch_size {batch_size} x a {height}x{width} model input: {batches} batches in "
+                          f"flight (run.prefetch_batches + run.pipeline_depth) need {need / 2**30:.1f} GiB for the "
+                          f"model's input alone, and {device} has {free / 2**30:.1f} GiB free; lower run.batch_size "
+                          "or preprocess.size")
 
 
 def finished(batch: PreprocessedBatch, postprocessed: Future, clock: StageClock):

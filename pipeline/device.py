@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ class Device:
         return "cpu"
 
 
-def _cuda_problem(index: int) -> str | None:
+def cuda_problem(index: int) -> str | None:
     """None if cuda:index can run the path (torch sees it, ORT has its CUDA EP), else the reason."""
     if not torch.cuda.is_available():
         return "torch sees no CUDA GPU (no driver, no device, or a CPU build of torch)"
@@ -50,12 +51,25 @@ def resolve_device(spec: str) -> Device:
     if spec == "cpu":
         return Device("cpu")
     if spec == "auto":
-        return Device("cpu") if _cuda_problem(0) else Device("cuda", 0)
+        return Device("cpu") if cuda_problem(0) else Device("cuda", 0)
     match = re.fullmatch(r"cuda(?::(\d+))?", spec)
     if not match:
         raise DeviceError(f"device {spec!r} is not one of auto, cpu, cuda, cuda:N")
     index = int(match.group(1) or 0)
-    problem = _cuda_problem(index)
+    problem = cuda_problem(index)
     if problem:
         raise DeviceError(f"--device {spec}: {problem}. Use --device cpu to run on the CPU.")
     return Device("cuda", index)
+
+
+def free_bytes(device: Device) -> int:
+    """Memory free for a run: the GPU's free memory, or the host's available memory."""
+    if device.is_cuda:
+        return torch.cuda.mem_get_info(device.index)[0]
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -58,10 +58,16 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
         import ray
     except ImportError:
         raise ConfigError("--ray needs Ray Data: pip install 'gpudet[ray]' (or 'ray[data]')") from None
+    with OutputFolder(out_dir, resume=resume, overwrite=overwrite) as folder:
+        return _run_on_ray(ray, folder, source, config, address=address, workers=workers,
+                           gpus_per_worker=gpus_per_worker, root=root, progress=progress)
+
+
+def _run_on_ray(ray, folder: OutputFolder, source: str, config: Config, *, address: str | None, workers: int,
+                gpus_per_worker: float | None, root: str | None, progress: bool | None) -> RunResult:
     started_at, started = datetime.now(timezone.utc), time.perf_counter()
-    folder = OutputFolder(out_dir, resume=resume, overwrite=overwrite)
     refs = list_images(source, root=root)
-    todo = folder.todo(refs)
+    todo = folder.begin(refs)
     started_here = not ray.is_initialized()
     ray.init(address=address, ignore_reinit_error=True, include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING, **({} if address else {"num_cpus": max(4, 2 * workers)}))

@@ -488,6 +488,20 @@ def detect_contract(outputs: list[TensorSpec], requested: str, model_path: Path)
                      f"Expected {expected}.")
 
 
+def landmark_points(outputs: list[TensorSpec], requested: int, model_path: Path) -> int:
+    """Landmark points per detection: model.landmarks when the model has a `landmarks` output
+    (checked against its width, 2 values a point, where that is static), else 0."""
+    spec = next((s for s in outputs if s.name == "landmarks"), None)
+    if spec is None:
+        return 0
+    width = spec.shape[-1]
+    if isinstance(width, int) and width != 2 * requested:
+        raise ModelError(f"model.landmarks: {requested} points per detection, but {model_path.name}'s output "
+                         f"{spec.describe()} holds {width} values ({width // 2} points of x, y); set "
+                         f"model.landmarks: {width // 2}")
+    return requested
+
+
 def is_out_of_memory(error: Exception) -> bool:
     """Whether a failed model run ran out of GPU memory: torch's error, CUDA's "out of memory",
     or ORT's CUDA EP and its capped arena ("Available memory of N is smaller than requested bytes

@@ -3,6 +3,8 @@
     0    every image was processed
     3    the run finished, but some images failed (errors.jsonl says which and why)
     2    bad usage, config, source, model, device or output folder: the message names it
+    4    the output could not be written (disk full, a file size limit, an I/O error): every record
+         written before is complete; make room, then --resume
     1    internal error (a bug): a traceback is printed, please report it
     130  interrupted (Ctrl-C, SIGTERM): what was written is complete; --resume continues
 
@@ -12,15 +14,17 @@ and says what to do; `guarded` turns it into one line on stderr and its exit cod
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
 
-EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_SOME_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_SOME_FAILED, EXIT_OUTPUT, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 
 log = logging.getLogger("gpudet")
 
@@ -51,6 +55,18 @@ class OutputError(GpudetError, ValueError):
     """The output folder cannot be used as asked (it holds results of another run, say)."""
 
 
+class OutputWriteError(GpudetError, OSError):
+    """Writing a result file failed: disk full, a file size limit, an I/O error."""
+
+    exit_code = EXIT_OUTPUT
+
+    def __init__(self, path, error: OSError):
+        reason = {errno.ENOSPC: "the disk is full", errno.EFBIG: "the file size limit is reached (ulimit -f)",
+                  errno.EDQUOT: "the disk quota is reached"}.get(error.errno, error.strerror or str(error))
+        super().__init__(f"writing {path} failed: {reason}; every record written before is complete: make room, "
+                         "then run again with --resume")
+
+
 class GpuOutOfMemory(GpudetError, RuntimeError):
     """The model ran out of GPU memory even on one image, or retrying in halves is off."""
 
@@ -74,14 +90,24 @@ def setup_logging(level: str = "WARNING", as_json: bool = False, quiet: bool = F
     root.propagate = False
 
 
+_interrupted = threading.Event()
+
+
 def _raise_keyboard_interrupt(signum, frame):
+    _interrupted.set()
     raise KeyboardInterrupt
+
+
+def catch_signals() -> None:
+    """Ctrl-C and SIGTERM (a scheduler stopping the job) raise KeyboardInterrupt, and are noted: an
+    interrupt inside a C extension's import can come out as another error (ImportError)."""
+    signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
 
 
 def guarded(run: Callable[[], int]) -> int:
     """Run a command, mapping what can go wrong to the documented exit codes."""
-    # SIGTERM (a scheduler stopping the job) stops as cleanly as Ctrl-C: whole records, a summary.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    catch_signals()
     try:
         return run()
     except GpudetError as e:
@@ -91,6 +117,9 @@ def guarded(run: Callable[[], int]) -> int:
         log.error("interrupted")
         return EXIT_INTERRUPTED
     except Exception:
+        if _interrupted.is_set():  # the interrupt, turned into another error on its way
+            log.error("interrupted")
+            return EXIT_INTERRUPTED
         traceback.print_exc()
         log.error("internal error (exit 1); please report it with the traceback above")
         return EXIT_INTERNAL

@@ -12,7 +12,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from .device import _cuda_problem
+from .device import cuda_problem
 from .engine import ORT_TO_TORCH, TORCH_TO_NUMPY, TensorSpec, check_external_data, detect_contract, find_image_input
 from .errors import ModelError
 from .postprocess import RETINANET_METADATA
@@ -97,7 +97,7 @@ def inspect_model(path: str | Path, *, size_hw: tuple[int, int] | None = (640, 6
         info["contract"] = detect_contract(outputs, "auto", path)
     except ModelError as e:
         info["contract"] = f"none: {e}"
-    if _cuda_problem(0) is None and isinstance(info["image_input"], dict):
+    if cuda_problem(0) is None and isinstance(info["image_input"], dict):
         info["cuda_placement"] = cuda_placement(path, image.size_hw or size_hw)
     else:
         info["cuda_placement"] = "not checked: no usable GPU here"

@@ -59,6 +59,12 @@ def parse_devices(text: str) -> list[str]:
         devices.append(item)
     if len(devices) < 1:
         raise DeviceError(f"--devices {text}: no device")
+    from .device import cuda_problem
+
+    for item in devices:  # before any worker starts: a worker that cannot run would only fail later
+        problem = cuda_problem(int(item.split(":")[1])) if item != "cpu" else None
+        if problem:
+            raise DeviceError(f"--devices {text}: {problem}; use --devices cpu,cpu to run on the CPU")
     return devices
 
 
@@ -66,9 +72,11 @@ def _worker(todo: list[ImageRef], shard: str, config: Config, source: str, image
     """One worker process: the single-device run over its share, appended to its shard; exit
     code as `gpudet detect`'s."""
     setup_logging("WARNING")
-    code = guarded(lambda: detect_into(OutputFolder(shard, resume=True), todo, config, source=source,
-                                       images=images, progress=False).exit_code)
-    sys.exit(code)
+    def run() -> int:
+        with OutputFolder(shard, resume=True) as folder:
+            return detect_into(folder, todo, config, source=source, images=images, progress=False).exit_code
+
+    sys.exit(guarded(run))
 
 
 def _lines(path: Path) -> int:
@@ -100,14 +108,20 @@ class Worker:
 def run_on_devices(source: str, out_dir: str | Path, config: Config, devices: list[str], *, root: str | None = None,
                    progress: bool | None = None, resume: bool = False, overwrite: bool = False) -> RunResult:
     """`gpudet detect --devices ...`: one worker per device, results merged into out_dir."""
+    with OutputFolder(out_dir, resume=resume, overwrite=overwrite) as folder:
+        return _run_on_devices(folder, source, config, devices, root=root, progress=progress)
+
+
+def _run_on_devices(folder: OutputFolder, source: str, config: Config, devices: list[str], *, root: str | None,
+                    progress: bool | None) -> RunResult:
     started_at, started = datetime.now(timezone.utc), time.perf_counter()
-    folder = OutputFolder(out_dir, resume=resume, overwrite=overwrite)
+    overwrite = folder.overwrite
     shards = [folder.path / "shards" / str(k) for k in range(len(devices))]
     if overwrite:
         shutil.rmtree(folder.path / "shards", ignore_errors=True)
     refs = list_images(source, root=root)
     earlier = sorted((folder.path / "shards").glob("*/*.jsonl")) if (folder.path / "shards").is_dir() else []
-    todo = folder.todo(refs, also=earlier)
+    todo = folder.begin(refs, also=earlier)
     if overwrite:
         for path in folder.files:
             path.unlink(missing_ok=True)

@@ -30,6 +30,7 @@ import numpy as np
 from nvidia.dali import fn, pipeline_def, types
 
 from .device import Device
+from .errors import GpudetError
 from .results import ImageError, ImageRef
 from .source import EncodedImage
 
@@ -91,6 +92,10 @@ def _file_bytes_pipeline(decode_device: str, graph_args: dict):
     index = fn.external_source(name="index", dtype=types.INT64, ndim=0)
     images, original_shape, resized_shape = letterbox_graph(encoded, decode_device=decode_device, **graph_args)
     return images, original_shape, resized_shape, index
+
+
+class DecoderError(GpudetError, RuntimeError):
+    """DALI failed for a reason that is not an image's own (memory, the GPU)."""
 
 
 class PreprocessFailure(RuntimeError):
@@ -192,6 +197,17 @@ def decode_failed(item: EncodedImage, cause: Exception) -> ImageError:
                       f"cannot decode{where}: {what[:300]}; the file is corrupt or truncated")
 
 
+def failed_alone(item: EncodedImage, cause: Exception) -> ImageError:
+    """The record of an image DALI failed on by itself; raises when the failure is not the image's
+    own (memory, a CUDA error: every image would fail the same way, and none should be recorded)."""
+    text = str(cause).lower()
+    if any(s in text for s in ("out of memory", "bad_alloc", "cudaerror", "cuda error", "cannot allocate")):
+        what = " ".join(str(cause).split())[:300]
+        raise DecoderError(f"DALI failed on {item.ref.path} for a reason that is not the image's own ({what}); lower "
+                           "run.batch_size or preprocess.size, or free memory, then continue with --resume")
+    return decode_failed(item, cause)
+
+
 def isolate(preprocessor: Preprocessor, items: list[EncodedImage],
             on_error: Callable[[list[ImageError]], None]) -> Iterator[PreprocessedBatch]:
     """Retry a group of two or more that failed together in halves, one at a time, down to single
@@ -202,7 +218,7 @@ def isolate(preprocessor: Preprocessor, items: list[EncodedImage],
             yield preprocessor.run(part)
         except PreprocessFailure as failure:
             if len(part) == 1:
-                on_error([decode_failed(part[0], failure.cause)])
+                on_error([failed_alone(part[0], failure.cause)])
             else:
                 yield from isolate(preprocessor, part, on_error)
 
@@ -236,7 +252,7 @@ def preprocess_stream(preprocessor: Preprocessor, batches: Iterable[list[Encoded
             except PreprocessFailure as failure:
                 retry.extendleft(reversed(failure.unfinished))
                 if len(failure.failed) == 1:
-                    on_error([decode_failed(failure.failed[0], failure.cause)])
+                    on_error([failed_alone(failure.failed[0], failure.cause)])
                 else:
                     yield from isolate(preprocessor, failure.failed, on_error)
     finally:

@@ -23,9 +23,10 @@ from .timing import StageClock, process_seconds
 def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | None = None,
                progress: bool | None = None, resume: bool = False, overwrite: bool = False) -> RunResult:
     """Detect on every image of `source`, streaming results into `out_dir`."""
-    folder = OutputFolder(out_dir, resume=resume, overwrite=overwrite)
-    refs = list_images(source, root=root)
-    return detect_into(folder, folder.todo(refs), config, source=str(source), images=len(refs), progress=progress)
+    with OutputFolder(out_dir, resume=resume, overwrite=overwrite) as folder:
+        refs = list_images(source, root=root)
+        return detect_into(folder, folder.begin(refs), config, source=str(source), images=len(refs),
+                           progress=progress)
 
 
 def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, source: str, images: int,

@@ -13,21 +13,24 @@ atomically. Every input ends in exactly one of the two JSONL files.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import socket
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import orjson
 
 from ._version import __version__
-from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, OutputError
+from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, OutputError, OutputWriteError
 from .results import Detections, ImageError, ImageRef, label_name
 
 RESULT_FILES = ("detections.jsonl", "errors.jsonl")
@@ -90,33 +93,58 @@ def read_complete_records(path: Path) -> list[dict]:
 
 
 class JsonlWriter:
-    """Append-only JSONL file; use as a context manager, `append(records)` once per batch.
-    append=True continues an existing file (resume); otherwise the file starts empty."""
+    """Append-only JSONL file; use as a context manager, `append(records)` once per batch, each
+    batch one unbuffered write of whole lines. append=True continues an existing file (resume);
+    otherwise the file starts empty. Never written through a symbolic link."""
 
     def __init__(self, path: Path, *, append: bool = False):
         self.path = path
         self.append_mode = append
         self.count = 0
-        self._file: BinaryIO | None = None
+        self._fd = -1
 
     def __enter__(self) -> JsonlWriter:
-        self._file = open(self.path, "ab" if self.append_mode else "wb")
+        self._fd = open_for_writing(self.path, os.O_APPEND if self.append_mode else os.O_TRUNC)
         return self
 
     def append(self, records: list[dict]) -> None:
-        if not records:
-            return
-        self._file.write(jsonl(records))
-        self._file.flush()
-        self.count += len(records)
+        if records:
+            write_all(self._fd, jsonl(records), self.path)
+            self.count += len(records)
 
     def __exit__(self, *exc) -> None:
-        self._file.close()
+        os.close(self._fd)
+
+
+def open_for_writing(path: Path, mode: int) -> int:
+    """A file descriptor to write `path`, never through a symbolic link (a link planted in the
+    output folder would make gpudet overwrite its target). mode: os.O_APPEND, O_TRUNC or O_EXCL."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | mode, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OutputError(f"{path} is a symbolic link; gpudet never writes through one: remove it") from None
+        raise OutputWriteError(path, e) from None
+
+
+def write_all(fd: int, data: bytes, path: Path) -> None:
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as e:  # disk full, a file size limit, an I/O error: what was written before stays whole
+        raise OutputWriteError(path, e) from None
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
+    """Written beside `path`, then renamed over it: a reader sees the old file or the new one."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.unlink(missing_ok=True)  # a stale one, or a link: removed, not followed
+    fd = open_for_writing(tmp, os.O_EXCL)
+    try:
+        write_all(fd, (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode(), tmp)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
 
 
@@ -152,36 +180,70 @@ class Tally:
 
 
 class OutputFolder:
-    """A run's output folder. `todo` says which images the run must process (all; with --resume
-    those not yet recorded; results there without either flag are an error); inside `writing()`,
-    `record` and `fail` stream each batch's records and count them in `tally`."""
+    """A run's output folder, held by one run at a time (a lock file, released when the folder is
+    closed or the process ends; a second run is refused, naming the holder). `begin` says which
+    images the run must process (all; with --resume those not yet recorded; results there without
+    either flag are an error); inside `writing()`, `record` and `fail` stream each batch's records
+    and count them in `tally`. Use as a context manager."""
+
+    LOCK = ".gpudet.lock"
+    FILES = RESULT_FILES + ("summary.json", "summary.json.tmp") + tuple(name + ".tmp" for name in RESULT_FILES)
 
     def __init__(self, path: str | Path, *, resume: bool = False, overwrite: bool = False):
+        self._lock = -1
         self.path = Path(path)
         self.resume, self.overwrite = resume, overwrite
         self.tally = Tally()
         self._writers: tuple[JsonlWriter, JsonlWriter] | None = None
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            kind = "is a file, not a folder" if isinstance(e, FileExistsError) else \
+                f"cannot be made: {e.strerror or e}"
+            raise OutputError(f"--out {self.path} {kind}; give a folder gpudet may create and write") from None
+        linked = [self.path / name for name in self.FILES if (self.path / name).is_symlink()]
+        if linked:
+            raise OutputError(f"{linked[0]} is a symbolic link; gpudet never writes through one: remove it")
+        self._lock = hold_lock(self.path / self.LOCK, self.path)
+
+    def close(self) -> None:
+        """Release the folder for another run."""
+        if self._lock >= 0:
+            os.close(self._lock)
+            self._lock = -1
+
+    def __enter__(self) -> OutputFolder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
 
     @property
     def files(self) -> list[Path]:
         return [self.path / name for name in RESULT_FILES]
 
-    def todo(self, refs: list[ImageRef], *, also: Iterable[Path] = ()) -> list[ImageRef]:
-        """The images this run must process. also: more result files that count as this folder's
-        (the --devices workers' shards)."""
+    def begin(self, refs: list[ImageRef], *, also: Iterable[Path] = ()) -> list[ImageRef]:
+        """Start a run over `refs`: the images it must process. An earlier run's summary.json goes
+        first, so that a summary always describes the run that wrote it, whatever stops this one.
+        also: more result files that count as this folder's (the --devices workers' shards)."""
         existing = [p for p in self.files + list(also) if p.exists() and p.stat().st_size]
-        if not existing or self.overwrite:
-            return refs
-        if not self.resume:
+        if existing and not (self.resume or self.overwrite):
             raise OutputError(f"{existing[0]} already holds results; pass --resume to process only the images "
                               "not yet recorded there, or --overwrite to start again")
+        (self.path / "summary.json").unlink(missing_ok=True)
+        if not existing or self.overwrite:
+            return refs
         done = recorded(existing, refs)
         return [r for r in refs if r.index not in done]
 
     @contextmanager
     def writing(self) -> Iterator[OutputFolder]:
-        """The two JSONL files open for this run: appended to with --resume, else started anew."""
+        """The two JSONL files open for this run: appended to with --resume, else started anew.
+        An earlier run's summary.json goes first: a summary always describes the run that wrote it."""
+        (self.path / "summary.json").unlink(missing_ok=True)
         with JsonlWriter(self.files[0], append=self.resume) as results, \
                 JsonlWriter(self.files[1], append=self.resume) as errors:
             self._writers = (results, errors)
@@ -209,13 +271,14 @@ class OutputFolder:
         for name in RESULT_FILES:
             seen: set[int] = set()
             tmp = self.path / (name + ".tmp")
-            with open(tmp, "wb") as merged:
+            tmp.unlink(missing_ok=True)
+            with JsonlWriter(tmp) as merged:
                 for path in [self.path / name] + [shard / name for shard in shards]:
                     for record in read_complete_records(path):
                         if record["index"] not in seen:
                             seen.add(record["index"])
                             count(name, record)
-                            merged.write(jsonl([record]))
+                            merged.append([record])
             os.replace(tmp, self.path / name)
 
     def write_summary(self, *, source: str, images: int, todo: int, device: str, seconds: dict[str, float],
@@ -237,6 +300,27 @@ class OutputFolder:
         }
         write_json_atomic(self.path / "summary.json", summary)
         return summary
+
+
+def hold_lock(path: Path, folder: Path) -> int:
+    """An exclusive lock on `path` (flock), with who holds it written inside; OutputError naming
+    the holder if another process has it."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise OutputError(f"{path}: cannot open the output folder's lock file ({e.strerror or e}); check the "
+                          "folder's permissions") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = " ".join(os.pread(fd, 4096, 0).decode("utf-8", "replace").split()) or "another process"
+        os.close(fd)
+        raise OutputError(f"--out {folder} is in use by another gpudet run ({holder}); wait for it to end, or write "
+                          "into another folder") from None
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode(), 0)
+    return fd
 
 
 def recorded(paths: Iterable[Path], refs: list[ImageRef]) -> set[int]:

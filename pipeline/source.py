@@ -9,8 +9,10 @@ never reaches the decoder.
 
 from __future__ import annotations
 
+import codecs
 import glob as globlib
 import os
+import stat
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,38 +43,55 @@ class EncodedImage:
     ref: ImageRef
     data: np.ndarray
     """uint8 [num_bytes], the file's bytes."""
+    pixels: int = 0
+    """width x height its header declares (0: not known)."""
 
 
 def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = None) -> list[ImageRef]:
-    """Expand SOURCE into indexed image paths.
-
-    A `.txt` file is a list, one path per line (blank lines and lines starting with # skipped);
-    relative paths resolve against `root`, else the list's folder. A folder is searched
-    recursively for image extensions, sorted. Anything else with * ? [ is a glob, sorted.
+    """Expand SOURCE into indexed image paths: a `.txt` file list (`read_list`), a folder (searched
+    recursively for image extensions, sorted), one image file, or a glob (`*`, `?`, `[`; sorted).
     Listed paths are kept even if missing: they fail later with an error record, not silently.
-    """
-    text = str(source)
+    A source that lists no image at all is an error, so that a typo does not look like success."""
+    text = os.fspath(source)
     path = Path(text)
     if path.is_dir():
         found = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
-        return [ImageRef(i, str(p)) for i, p in enumerate(found)]
-    if path.is_file() and path.suffix.lower() == ".txt":
-        base = Path(root) if root is not None else path.parent
-        refs = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            item = Path(line).expanduser()
-            refs.append(ImageRef(len(refs), str(item if item.is_absolute() else base / item)))
-        return refs
-    if path.is_file():
+        what = f"folder {text} holds no image file ({', '.join(sorted(IMAGE_EXTENSIONS))}, searched recursively)"
+        refs = [ImageRef(i, str(p)) for i, p in enumerate(found)]
+    elif path.is_file() and path.suffix.lower() == ".txt":
+        refs = read_list(path, Path(root) if root is not None else path.parent)
+        what = f"file list {text} lists no path (blank lines and lines starting with # are skipped)"
+    elif path.is_file():
         return [ImageRef(0, text)]
-    if any(c in text for c in "*?["):
-        found = sorted(p for p in globlib.glob(text, recursive=True) if os.path.isfile(p))
-        return [ImageRef(i, p) for i, p in enumerate(found)]
-    raise SourceError(f"source {text} is not a folder, a .txt file list, an image file or a glob; "
-                      "check the path")
+    elif any(c in text for c in "*?["):
+        refs = [ImageRef(i, p) for i, p in enumerate(sorted(p for p in globlib.glob(text, recursive=True)
+                                                            if os.path.isfile(p)))]
+        what = f"glob {text!r} matches no file (quote it, so that the shell does not expand it first)"
+    else:
+        raise SourceError(f"source {text} is not a folder, a .txt file list, an image file or a glob; "
+                          "check the path")
+    if not refs:
+        raise SourceError(f"{what}; check the source")
+    return refs
+
+
+def read_list(path: Path, base: Path) -> list[ImageRef]:
+    """A file list, one path per line, taken as written: only the line ending (\\n or \\r\\n) is
+    not part of it, so spaces at either end belong to the name. A line that is empty or holds
+    only whitespace is skipped, and so is a line that starts with `#` (list a file whose name
+    starts with # as `./#name`). A UTF-8 byte-order mark at the start of the file is ignored.
+    Paths are UTF-8; other bytes are taken as they are, as the file system's names are (a
+    record's path gives them back through os.fsencode). A relative path resolves against `base`
+    (--root, else the list's folder); a leading ~ is the home folder."""
+    data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
+    refs = []
+    for line in data.split(b"\n"):
+        line = line.removesuffix(b"\r")
+        if not line.strip() or line.startswith(b"#"):
+            continue
+        item = Path(os.fsdecode(line)).expanduser()
+        refs.append(ImageRef(len(refs), str(item if item.is_absolute() else base / item)))
+    return refs
 
 
 def sniff_format(head: bytes) -> str | None:
@@ -168,36 +187,68 @@ def image_size(data: bytes, kind: str) -> tuple[int, int] | None:
     return None
 
 
-def read_file(path: str) -> bytes:
-    """The whole file in four system calls: open, fstat, read, close. Each gives up the interpreter,
-    and a reading thread may then wait up to the switch interval to take it back while another
-    thread runs Python; `open(path, "rb").read()` makes nine (an isatty ioctl, two lseeks, a second
-    fstat, a read to see the end)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+class NotAFile(OSError):
+    """The path is not a regular file (a directory, a FIFO, a device, a socket)."""
+
+
+def read_file(path: str, max_bytes: int = 0) -> bytes:
+    """The whole of a regular file, in four system calls (open, fstat, read, close: each gives up
+    the interpreter, which a reading thread may then wait for). Opened without blocking, so that a
+    FIFO in the list is refused rather than waited on. max_bytes: refuse (FileTooLarge) a file
+    over this size (0: no limit)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
-        size = os.fstat(fd).st_size
-        data = os.read(fd, size + 1)  # a regular file comes whole: its size, then the end
-        if len(data) != size:  # it changed since fstat, a short read, or not a regular file: read to the end
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotAFile(_FILE_KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file"))
+        if max_bytes and info.st_size > max_bytes:
+            raise FileTooLarge(info.st_size)
+        data = os.read(fd, info.st_size + 1)  # a regular file comes whole: its size, then the end
+        if len(data) != info.st_size:  # it changed since fstat, or a short read: read to the end
             chunks = [data]
-            while chunk := os.read(fd, 1 << 20):
+            while (chunk := os.read(fd, 1 << 20)) and (not max_bytes or sum(map(len, chunks)) <= max_bytes):
                 chunks.append(chunk)
             data = b"".join(chunks)
+            if max_bytes and len(data) > max_bytes:
+                raise FileTooLarge(len(data))
         return data
     finally:
         os.close(fd)
 
 
-def read_checked(ref: ImageRef, max_pixels: int = 0) -> EncodedImage | ImageError:
+class FileTooLarge(OSError):
+    """The file is over the size cap (preprocess.max_file_mb)."""
+
+    def __init__(self, size: int):
+        super().__init__(f"{size:,} bytes")
+        self.size = size
+
+
+_FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
+               stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def read_checked(ref: ImageRef, max_pixels: int = 0, max_bytes: int = 0) -> EncodedImage | ImageError:
     """Read one file and reject what cannot be an image, cheaply, before it reaches the decoder.
 
-    max_pixels: refuse images whose header declares more pixels (0: no limit). A small file can
-    declare a huge image (a decompression bomb) that would decode to gigabytes."""
+    max_pixels: refuse images whose header declares more pixels (0: no limit): a small file can
+    declare a huge image (a decompression bomb) that would decode to gigabytes. max_bytes: refuse
+    files over this size (0: no limit)."""
     try:
-        data = read_file(ref.path)
+        data = read_file(ref.path, max_bytes)
     except FileNotFoundError:
-        return ImageError(ref.index, ref.path, "missing", "file not found; check the path in the list")
-    except IsADirectoryError:
-        return ImageError(ref.index, ref.path, "not_a_file", "is a directory, not an image file")
+        spaces = any(part != part.strip() for part in Path(ref.path).parts)
+        return ImageError(ref.index, ref.path, "missing", "file not found; check the path in the list" +
+                          (" (a name in it starts or ends with a space, which the list keeps as written)"
+                           if spaces else ""))
+    except (NotAFile, IsADirectoryError) as e:
+        kind = "a directory" if isinstance(e, IsADirectoryError) else str(e)
+        return ImageError(ref.index, ref.path, "not_a_file", f"is {kind}, not an image file: only regular files "
+                                                             "are read")
+    except FileTooLarge as e:
+        return ImageError(ref.index, ref.path, "too_large", f"the file is {e.size:,} bytes, over the cap of "
+                                                            f"{max_bytes:,} (raise preprocess.max_file_mb if it is "
+                                                            "genuine)")
     except OSError as e:
         return ImageError(ref.index, ref.path, "unreadable", f"cannot read: {e.strerror or e}")
     if not data:
@@ -205,7 +256,7 @@ def read_checked(ref: ImageRef, max_pixels: int = 0) -> EncodedImage | ImageErro
     kind = sniff_format(data[:16])
     if kind is None:
         return ImageError(ref.index, ref.path, "unknown_format",
-                          f"not a JPEG/PNG/BMP/TIFF/WebP/JPEG 2000/PNM file (starts with {data[:8]!r})")
+                          "not a JPEG, PNG, BMP, TIFF, WebP, JPEG 2000 or PNM file (by its first bytes, not its name)")
     size = image_size(data, kind)
     if size is None or min(size) <= 0:
         return ImageError(ref.index, ref.path, "bad_header",
@@ -214,15 +265,15 @@ def read_checked(ref: ImageRef, max_pixels: int = 0) -> EncodedImage | ImageErro
         return ImageError(ref.index, ref.path, "too_large",
                           f"{kind} declares {size[0]}x{size[1]} = {size[0] * size[1]:,} pixels, over the limit of "
                           f"{max_pixels:,} (raise preprocess.max_pixels if this image is genuine)")
-    return EncodedImage(ref, np.frombuffer(data, dtype=np.uint8))
+    return EncodedImage(ref, np.frombuffer(data, dtype=np.uint8), size[0] * size[1])
 
 
-def read_all(refs: Sequence[ImageRef], max_pixels: int = 0) -> list[EncodedImage | ImageError]:
-    return [read_checked(r, max_pixels) for r in refs]
+def read_all(refs: Sequence[ImageRef], max_pixels: int = 0, max_bytes: int = 0) -> list[EncodedImage | ImageError]:
+    return [read_checked(r, max_pixels, max_bytes) for r in refs]
 
 
 def read_batches(refs: Sequence[ImageRef], *, batch_size: int, num_threads: int, max_pixels: int = 0,
-                 lookahead: int = 2) -> Iterator[list[EncodedImage | ImageError]]:
+                 max_bytes: int = 0, lookahead: int = 2) -> Iterator[list[EncodedImage | ImageError]]:
     """Yield batches of read-and-checked images in order, reading `lookahead` batches ahead on
     num_threads threads: one task per thread's share of a batch's consecutive files, not one per
     file (fewer hand-offs: on a 2-core machine one thread read twice as fast this way)."""
@@ -230,7 +281,8 @@ def read_batches(refs: Sequence[ImageRef], *, batch_size: int, num_threads: int,
     step = -(-batch_size // max(1, num_threads))
     with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="gpudet-read") as pool:
         def submit(chunk: Sequence[ImageRef]) -> list[Future]:
-            return [pool.submit(read_all, chunk[i:i + step], max_pixels) for i in range(0, len(chunk), step)]
+            return [pool.submit(read_all, chunk[i:i + step], max_pixels, max_bytes)
+                    for i in range(0, len(chunk), step)]
 
         pending = [submit(chunk) for chunk in chunks[:lookahead]]
         for next_chunk in chunks[lookahead:] + [None] * min(lookahead, len(chunks)):
@@ -238,3 +290,18 @@ def read_batches(refs: Sequence[ImageRef], *, batch_size: int, num_threads: int,
             if next_chunk is not None:
                 pending.append(submit(next_chunk))
             yield [item for f in futures for item in f.result()]
+
+
+def within_pixels(batch: list[EncodedImage], max_pixels: int) -> Iterator[list[EncodedImage]]:
+    """The batch in consecutive parts whose declared pixels add up to at most `max_pixels` (an
+    image over it alone makes a part of one): what one DALI batch may decode is bounded. 0: the
+    batch whole."""
+    part, total = [], 0
+    for item in batch:
+        if part and max_pixels and total + item.pixels > max_pixels:
+            yield part
+            part, total = [], 0
+        part.append(item)
+        total += item.pixels
+    if part:
+        yield part

@@ -32,7 +32,8 @@ give torchvision's detections (tested, each way).
 
 Weights: `--checkpoint FILE` (a state_dict, or a dict holding one under "model" or
 "state_dict", as torchvision's reference training scripts save), else random initialisation
-(benchmarks only: its scores are meaningless). Nothing is downloaded: torchvision's weight URLs
+(benchmarks only: its scores are meaningless, and none passes 0.05; `--detections-per-image N`
+shifts the class bias so that about N per image do, the load a trained model puts on NMS). Nothing is downloaded: torchvision's weight URLs
 cannot be reached offline, so fetch the checkpoint once where you can and pass the file.
 
 Needs torch and torchvision (`pip install torch==2.14.1 torchvision==0.29.1`, or any matching
@@ -45,10 +46,12 @@ pair); gpudet itself never imports torchvision.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -62,6 +65,8 @@ except ImportError as e:  # the exporter's one extra need; the pipeline never im
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline.postprocess import RETINANET_METADATA, RetinaNetHeads, decode_box_deltas  # noqa: E402
+
+SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 
 ARCHITECTURES = {"retinanet_resnet50_fpn": retinanet_resnet50_fpn,
                  "retinanet_resnet50_fpn_v2": retinanet_resnet50_fpn_v2}
@@ -95,25 +100,51 @@ class Heads(nn.Module):
         return out["cls_logits"], out["bbox_regression"]
 
 
-class PaddedStem(nn.Module):
-    """The stem convolution on the image zero-padded from 3 to `channels` channels, with zero
-    weights for the added ones: the same numbers, but a channel count that tensor-core NHWC fp16
-    kernels take directly. An experiment (`--stem-channels 8`): whether ORT's stem is slow on 3
-    channels is a lead from its profiler, not yet measured (docs/BENCHMARKS.md)."""
+def detection_load_shift(model: nn.Module, detections_per_image: float, paths: list[str],
+                         size_hw: tuple[int, int], *, score_threshold: float = 0.05, iou_threshold: float = 0.5,
+                         max_detections: int = 300) -> float:
+    """The shift of the classification head's bias (every class but 0, the background id) that
+    makes torchvision's postprocess keep about `detections_per_image` detections per image of
+    `paths` (mean, letterboxed to size_hw): random weights keep none above 0.05, a trained model
+    tens to hundreds on a photo. Bisection over the shift on the head's outputs, computed once."""
+    from PIL import Image
 
-    def __init__(self, conv: nn.Conv2d, channels: int):
-        super().__init__()
-        self.extra = channels - conv.in_channels
-        self.conv = nn.Conv2d(channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                              bias=conv.bias is not None)
-        with torch.no_grad():
-            self.conv.weight.zero_()
-            self.conv.weight[:, :conv.in_channels] = conv.weight
-            if conv.bias is not None:
-                self.conv.bias.copy_(conv.bias)
+    images = []
+    for path in paths:
+        image = Image.open(path).convert("RGB")
+        scale = min(size_hw[0] / image.height, size_hw[1] / image.width)
+        image = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))),
+                             Image.Resampling.BILINEAR)
+        pixels = np.zeros((*size_hw, 3), np.float32)
+        pixels[:image.height, :image.width] = np.asarray(image)
+        pixels = (pixels - [123.675, 116.28, 103.53]) / [58.395, 57.12, 57.375]
+        images.append(torch.from_numpy(pixels.transpose(2, 0, 1).astype(np.float32)))
+    batch = torch.stack(images)
+    model = copy.deepcopy(model).float().eval()
+    with torch.no_grad():
+        features = list(model.backbone(batch).values())
+        head = model.head(features)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.conv(nn.functional.pad(images, (0, 0, 0, 0, 0, self.extra)))
+    def kept(shift: float) -> float:
+        logits = head["cls_logits"].clone()
+        logits[..., 1:] += shift
+        found = torchvision_postprocess(model, batch, {"cls_logits": logits, "bbox_regression": head["bbox_regression"]},
+                                        features=features, score_threshold=score_threshold,
+                                        iou_threshold=iou_threshold, max_detections=max_detections)
+        return float(np.mean([len(d["scores"]) for d in found]))
+
+    low, high = 0.0, 8.0  # the count grows with the shift
+    for _ in range(20):
+        middle = (low + high) / 2
+        low, high = (middle, high) if kept(middle) < detections_per_image else (low, middle)
+    return (low + high) / 2
+
+
+def shift_class_bias(model: nn.Module, shift: float) -> None:
+    """Add `shift` to the classification head's bias of every class but 0 (in place)."""
+    conv = model.head.classification_head.cls_logits
+    with torch.no_grad():
+        conv.bias.view(-1, model.head.classification_head.num_classes)[:, 1:] += shift
 
 
 def anchor_layout(model: nn.Module, size_hw: tuple[int, int]) -> dict:
@@ -350,20 +381,16 @@ def torchvision_postprocess(model: nn.Module, images: torch.Tensor, head: dict[s
 
 def export(model: nn.Module, contract: str, out: Path, *, size_hw: tuple[int, int], batch_size: int,
            dynamic_batch: bool, fp16: bool, opset: int = 17, device: str | None = None,
-           stem_channels: int = 3, nms_prefix: int = 1024) -> None:
+           nms_prefix: int = 1024) -> None:
     """Write `model` (left unchanged) as an ONNX file of `contract`. The trace runs on `device`
     (default: the GPU when there is one; a batch of 16 at 800x800 is slow on a CPU).
-    stem_channels > 3 pads the stem convolution's input (PaddedStem). nms_prefix: candidates per
-    image the end-to-end graph's batched NMS looks at before it falls back (EndToEnd.prefix_nms)."""
-    import copy
-
+    nms_prefix: candidates per image the end-to-end graph's batched NMS looks at before it falls
+    back (EndToEnd.prefix_nms)."""
     import onnx
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if fp16 else torch.float32
     model = copy.deepcopy(model).float().eval()
-    if stem_channels > 3:
-        model.backbone.body.conv1 = PaddedStem(model.backbone.body.conv1, stem_channels)
     layout = anchor_layout(model, size_hw)
     images = torch.zeros(batch_size, 3, *size_hw, dtype=dtype, device=device)
     dynamic = {"images": {0: "batch"}} if dynamic_batch else None
@@ -407,16 +434,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dynamic-batch", action="store_true", help="batch dimension symbolic instead")
     parser.add_argument("--fp16", action="store_true", help="backbone and heads in float16 (input too)")
     parser.add_argument("--seed", type=int, default=0, help="random initialisation seed (no --checkpoint)")
-    parser.add_argument("--stem-channels", type=int, default=3, choices=[3, 4, 8],
-                        help="zero-pad the stem convolution's input to this many channels (same results)")
+    parser.add_argument("--detections-per-image", type=float, default=0, metavar="N",
+                        help="random weights only: shift the class bias so that about N detections per image "
+                             "survive 0.05 and NMS on --calibration images (a benchmark's load; default: none)")
+    parser.add_argument("--calibration", nargs="+", default=[str(SAMPLES / n) for n in
+                                                           ("astronaut.png", "grace_hopper.jpg", "china.jpg",
+                                                            "coffee.png", "chelsea.png", "camera.png")],
+                        help="images the load is calibrated on (default: the bundled photos)")
     parser.add_argument("--nms-prefix", type=int, default=1024,
                         help="end_to_end: candidates per image the batched NMS looks at before NonMaxSuppression")
     a = parser.parse_args(argv)
     if a.checkpoint is not None and not a.checkpoint.is_file():
         sys.exit(f"--checkpoint {a.checkpoint}: no such file")
     model = build_model(a.arch, a.checkpoint, a.num_classes, a.seed)
+    if a.detections_per_image:
+        if a.checkpoint is not None:
+            sys.exit("--detections-per-image seeds random weights; a checkpoint brings its own detections")
+        shift = detection_load_shift(model, a.detections_per_image, a.calibration, tuple(a.size))
+        shift_class_bias(model, shift)
+        print(f"class bias shifted by {shift:.4f}: about {a.detections_per_image:g} detections per image")
     export(model, a.contract, a.out, size_hw=tuple(a.size), batch_size=a.batch_size, dynamic_batch=a.dynamic_batch,
-           fp16=a.fp16, stem_channels=a.stem_channels, nms_prefix=a.nms_prefix)
+           fp16=a.fp16, nms_prefix=a.nms_prefix)
     print(f"wrote {a.out} ({a.out.stat().st_size / 1e6:.1f} MB): {a.arch}, {a.contract}, "
           f"{'float16' if a.fp16 else 'float32'}, batch {'dynamic' if a.dynamic_batch else a.batch_size}, "
           f"{a.size[0]}x{a.size[1]}, {'weights ' + str(a.checkpoint) if a.checkpoint else 'random weights'}")

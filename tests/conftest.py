@@ -15,9 +15,9 @@ EXPECTED_FACES = {"astronaut.png": 1, "camera.png": 1, "grace_hopper.jpg": 1, "c
 
 
 def cuda_usable() -> bool:
-    from pipeline.device import _cuda_problem
+    from pipeline.device import cuda_problem
 
-    return _cuda_problem(0) is None
+    return cuda_problem(0) is None
 
 
 def pytest_collection_modifyitems(config, items):

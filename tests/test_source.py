@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import numpy as np
@@ -5,18 +6,63 @@ import pytest
 
 from pipeline.errors import SourceError
 from pipeline.results import ImageError, ImageRef
-from pipeline.source import EncodedImage, list_images, read_batches, read_checked, read_file
+from pipeline.source import EncodedImage, NotAFile, list_images, read_batches, read_checked, read_file
 
 from conftest import SAMPLES
 
 
 def test_file_list_resolves_relative_paths_against_its_folder_or_root(tmp_path):
     listing = tmp_path / "list.txt"
-    listing.write_text(f"# comment\na.jpg\n\n sub/b.png \n{SAMPLES / 'china.jpg'}\n")
+    listing.write_text(f"# comment\na.jpg\n\n   \nsub/b.png\n{SAMPLES / 'china.jpg'}\n")
     refs = list_images(listing)
     assert refs == [ImageRef(0, str(tmp_path / "a.jpg")), ImageRef(1, str(tmp_path / "sub/b.png")),
                     ImageRef(2, str(SAMPLES / "china.jpg"))]
     assert list_images(listing, root="/data")[0].path == "/data/a.jpg"
+
+
+def test_the_list_syntax_takes_each_name_as_written(tmp_path):
+    """README, "File lists": a BOM is ignored, \\r\\n endings too; spaces at either end belong to the
+    name; # starts a comment only as a line's first character (./#name lists such a file); a name
+    that is not UTF-8 comes back byte for byte through os.fsencode."""
+    listing = tmp_path / "list.txt"
+    listing.write_bytes(b"\xef\xbb\xbfbom.jpg\r\n leading.jpg\ntrailing.jpg \n#comment.jpg\n./#hash.jpg\n"
+                        b"caf\xe9.jpg\n  # indented, not a comment\n")
+    names = [os.fsencode(r.path)[len(os.fsencode(tmp_path)) + 1:] for r in list_images(listing)]
+    assert names == [b"bom.jpg", b" leading.jpg", b"trailing.jpg ", b"#hash.jpg", b"caf\xe9.jpg",
+                     b"  # indented, not a comment"]
+
+
+def test_a_listed_name_with_a_space_at_an_end_is_missing_with_a_hint(tmp_path):
+    (tmp_path / "a.jpg").write_bytes((SAMPLES / "china.jpg").read_bytes())
+    listing = tmp_path / "list.txt"
+    listing.write_text("a.jpg \n")
+    error = read_checked(list_images(listing)[0])
+    assert error.reason == "missing" and "starts or ends with a space" in error.message
+
+
+@pytest.mark.parametrize("kind", ["empty list", "comments only", "empty folder", "glob of nothing"])
+def test_a_source_of_no_images_is_an_error_not_an_empty_success(tmp_path, kind):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "notes.txt").write_text("not an image")
+    source = {"empty list": tmp_path / "empty.txt", "comments only": tmp_path / "comments.txt",
+              "empty folder": tmp_path / "folder", "glob of nothing": str(tmp_path / "*.jpeg")}[kind]
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "comments.txt").write_text("# nothing here\n\n")
+    with pytest.raises(SourceError, match="check the source"):
+        list_images(source)
+
+
+def test_only_regular_files_are_read(tmp_path):
+    """A FIFO in the list would block a reader forever; a device (/dev/zero) has no end: both are
+    refused without reading, as is a file over the size cap."""
+    fifo = tmp_path / "pipe.jpg"
+    os.mkfifo(fifo)
+    reasons = {p: read_checked(ImageRef(0, str(p))) for p in [fifo, Path("/dev/zero"), tmp_path]}
+    assert {str(p): (e.reason, e.message.split(",")[0]) for p, e in reasons.items()} == {
+        str(fifo): ("not_a_file", "is a FIFO (named pipe)"), "/dev/zero": ("not_a_file", "is a character device"),
+        str(tmp_path): ("not_a_file", "is a directory")}
+    capped = read_checked(ImageRef(0, str(SAMPLES / "china.jpg")), max_bytes=1000)
+    assert capped.reason == "too_large" and "over the cap of 1,000" in capped.message
 
 
 def test_folder_is_recursive_sorted_and_filters_extensions(tmp_path):
@@ -61,7 +107,7 @@ def test_read_file_reads_whole_files_whatever_their_stat_says(tmp_path):
     assert read_file(str(tmp_path / "empty.jpg")) == b""
     # /proc files say 0 bytes and have more: read to the end, not to the size fstat gave
     assert read_file("/proc/self/cmdline") == Path("/proc/self/cmdline").read_bytes() != b""
-    with pytest.raises(IsADirectoryError):
+    with pytest.raises(NotAFile, match="directory"):
         read_file(str(tmp_path))
 
 

@@ -1,0 +1,264 @@
+"""What an adversarial user meets: one clear line and the documented exit code, never a traceback;
+one writer per output folder; inputs that hang, lie or sit behind links. Real subprocesses, real
+signals, a real lock contention, a real FIFO."""
+
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import ROOT, SAMPLES, read_jsonl
+
+
+def gpudet(*args, cwd=ROOT, timeout=300, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, **kwargs)
+
+
+def one_clear_line(run: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    """The documented exit code, no traceback, and an error line that says what is wrong."""
+    assert run.returncode == code, (run.returncode, run.stderr[-2000:])
+    assert "Traceback" not in run.stderr and "internal error" not in run.stderr, run.stderr[-2000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("gpudet: ERROR")]
+    assert errors, run.stderr[-2000:]
+    for word in words:
+        assert word in errors[0], (word, errors[0])
+
+
+def test_a_list_with_a_name_that_is_not_utf8_runs_and_records_it(tmp_path):
+    listing = tmp_path / "l.txt"
+    listing.write_bytes(b"b\xff.jpg\n" + str(SAMPLES / "china.jpg").encode() + b"\n")
+    run = gpudet("detect", listing, "--out", tmp_path / "o", "--device", "cpu")
+    assert run.returncode == 3, run.stderr[-2000:]
+    (error,) = read_jsonl(tmp_path / "o" / "errors.jsonl")
+    assert os.fsencode(error["path"]) == os.fsencode(tmp_path) + b"/b\xff.jpg" and error["reason"] == "missing"
+    assert len(read_jsonl(tmp_path / "o" / "detections.jsonl")) == 1
+
+
+def test_a_fifo_and_a_device_in_the_list_are_refused_without_hanging(tmp_path):
+    os.mkfifo(tmp_path / "f.jpg")
+    listing = tmp_path / "l.txt"
+    listing.write_text(f"{tmp_path / 'f.jpg'}\n/dev/zero\n{SAMPLES / 'china.jpg'}\n")
+    run = gpudet("detect", listing, "--out", tmp_path / "o", "--device", "cpu", timeout=120)
+    assert run.returncode == 3, run.stderr[-2000:]
+    reasons = {e["path"]: e["reason"] for e in read_jsonl(tmp_path / "o" / "errors.jsonl")}
+    assert reasons == {str(tmp_path / "f.jpg"): "not_a_file", "/dev/zero": "not_a_file"}
+
+
+def slow_list(tmp_path: Path, count: int = 400) -> Path:
+    listing = tmp_path / "slow.txt"
+    listing.write_text("".join(f"{SAMPLES / 'grace_hopper.jpg'}\n" for _ in range(count)))
+    return listing
+
+
+def start(listing: Path, out: Path, *extra) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pipeline", "detect", str(listing), "--out", str(out), "--device",
+                             "cpu", "--batch-size", "2", "--set", "run.num_threads=1", *map(str, extra)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_lines(path: Path, count: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_bytes().count(b"\n") >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {count} lines in {path}")
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_first(tmp_path):
+    out = tmp_path / "out"
+    first = start(slow_list(tmp_path), out)
+    try:
+        wait_for_lines(out / "detections.jsonl", 2)
+        second = gpudet("detect", SAMPLES, "--out", out, "--device", "cpu", "--resume")
+        one_clear_line(second, 2, "in use by another gpudet run", f"pid {first.pid}")
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=120)
+    assert first.returncode == 130
+    records = read_jsonl(out / "detections.jsonl")
+    assert len(records) == len({r["index"] for r in records})  # the first run's lines, whole and once each
+
+
+def test_overwrite_then_kill_leaves_no_summary_of_another_run(tmp_path):
+    out = tmp_path / "out"
+    assert gpudet("detect", SAMPLES, "--out", out, "--device", "cpu").returncode == 0
+    assert json.loads((out / "summary.json").read_text())["processed"] == 6
+    process = start(slow_list(tmp_path), out, "--overwrite")
+    deadline = time.monotonic() + 120
+    while b'"index":10,' not in (out / "detections.jsonl").read_bytes():  # the new run's records, not the old
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.05)
+    process.kill()
+    process.communicate()
+    assert not (out / "summary.json").exists()
+
+
+def test_an_interrupt_during_the_imports_ends_with_130_not_an_error(tmp_path):
+    """SIGINT while torch, DALI and ORT are being imported (their C code can turn the interrupt
+    into an ImportError): exit 130 and one line, every time."""
+    rng = random.Random(5)
+    codes = []
+    for k in range(6):
+        process = subprocess.Popen([sys.executable, "-m", "pipeline", "detect", str(SAMPLES), "--out",
+                                    str(tmp_path / f"o{k}"), "--device", "cpu"], cwd=ROOT, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        time.sleep(rng.uniform(0.2, 1.2))
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode in (0, 130) and "Traceback" not in stderr, (process.returncode, stderr[-2000:])
+        codes.append(process.returncode)
+    assert 130 in codes
+
+
+@pytest.mark.parametrize("setting, words", [
+    ("preprocess.size=[100000,100000]", ["preprocess.size", "1..16384"]),
+    ("preprocess.size=[8000,8000]", ["run.batch_size", "GiB"]),
+    ("run.batch_size=1000000000000", ["run.batch_size", "1..4096"]),
+    ("run.num_threads=100000", ["run.num_threads"]),
+    ("model.landmarks=3", ["model.landmarks: 3", "set model.landmarks: 5"]),
+    ("preprocess.mean=[.nan,117,127]", ["preprocess.mean[0]", "not a finite number"]),
+])
+def test_settings_that_cannot_run_are_refused_before_the_run(tmp_path, setting, words):
+    run = gpudet("detect", SAMPLES, "--out", tmp_path / "o", "--device", "cpu", "--set", setting)
+    one_clear_line(run, 2, *words)
+    assert not (tmp_path / "o" / "errors.jsonl").exists() or not read_jsonl(tmp_path / "o" / "errors.jsonl")
+
+
+def test_a_config_that_is_not_yaml_and_a_model_path_that_does_not_exist(tmp_path):
+    one_clear_line(gpudet("detect", SAMPLES, "--out", tmp_path / "o", "--config", "/bin/ls"), 2, "/bin/ls",
+                   "not a text file")
+    run = gpudet("detect", SAMPLES, "--out", tmp_path / "o", "--model", "nodir/retinaface_mnet025.onnx")
+    one_clear_line(run, 2, "nodir/retinaface_mnet025.onnx", "not found")
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "/proc/nope"])
+def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path, where):
+    (tmp_path / "f").touch()
+    out = {"a file": tmp_path / "f", "under a file": tmp_path / "f" / "sub", "/proc/nope": "/proc/nope"}[where]
+    one_clear_line(gpudet("detect", SAMPLES, "--out", out, "--device", "cpu"), 2, f"--out {out}")
+
+
+def test_symbolic_links_planted_in_the_output_folder_are_never_written_through(tmp_path):
+    (tmp_path / "o").mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    for name in ("detections.jsonl", "summary.json"):
+        (tmp_path / "o" / name).symlink_to(victim)
+        one_clear_line(gpudet("detect", SAMPLES, "--out", tmp_path / "o", "--device", "cpu", "--overwrite"), 2,
+                       "symbolic link", name)
+        (tmp_path / "o" / name).unlink()
+    assert victim.read_text() == "precious\n"
+
+
+def test_eval_of_a_file_that_is_not_detections_or_not_ground_truth(tmp_path):
+    images = {"images": [{"id": 1, "file_name": "astronaut.png"}], "categories": [{"id": 1, "name": "face"}]}
+    annotations, ground_truth = tmp_path / "ann.json", tmp_path / "gt.json"
+    annotations.write_text(json.dumps(images))
+    ground_truth.write_text(json.dumps({**images, "annotations": []}))
+    one_clear_line(gpudet("eval", ROOT / "README.md", "--annotations", ground_truth), 2, "README.md, line 1",
+                   "not a record of gpudet detect")
+    assert gpudet("detect", SAMPLES, "--out", tmp_path / "o", "--device", "cpu").returncode == 0
+    one_clear_line(gpudet("eval", tmp_path / "o" / "detections.jsonl", "--annotations", annotations), 2,
+                   "no 'annotations' list")
+
+
+def test_a_closed_stdout_is_not_a_failure_of_the_run(tmp_path):
+    run = subprocess.run(f"set -o pipefail; {sys.executable} -m pipeline detect samples --out {tmp_path / 'o'} "
+                         "--device cpu | true", shell=True, cwd=ROOT, capture_output=True, text=True,
+                         executable="/bin/bash")
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert len(read_jsonl(tmp_path / "o" / "detections.jsonl")) == 6
+
+
+def test_a_file_size_limit_is_exit_4_saying_so_and_resume_finishes(tmp_path):
+    """ulimit -f: the write fails with EFBIG (Python ignores SIGXFSZ); what was written stays whole."""
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"{p}\n" for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md") * 40)
+    out = tmp_path / "o"
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8000, 8000))
+
+    run = gpudet("detect", listing, "--out", out, "--device", "cpu", "--batch-size", "8", preexec_fn=limit)
+    one_clear_line(run, 4, "file size limit", "--resume")
+    before = (out / "detections.jsonl").read_bytes()
+    assert 0 < len(before) <= 8000
+    resumed = gpudet("detect", listing, "--out", out, "--device", "cpu", "--batch-size", "8", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == list(range(240))
+
+
+def test_a_batch_of_large_images_is_decoded_in_parts(tmp_path):
+    """preprocess.max_batch_pixels bounds what one DALI batch decodes: eight images of 1 MP at a
+    budget of 2.5 MP go to DALI two at a time, and every image is still processed once."""
+    from PIL import Image
+
+    from pipeline import Detector
+    from pipeline.source import list_images
+
+    for k in range(8):
+        Image.open(SAMPLES / "grace_hopper.jpg").resize((1000, 1000)).save(tmp_path / f"big{k}.png")
+    detector = Detector.from_config(device="cpu", batch_size=8, overrides=["preprocess.max_batch_pixels=2500000"])
+    fed = []
+    submit = detector.preprocessor.submit
+    detector.preprocessor.submit = lambda batch: (fed.append(len(batch)), submit(batch))[1]
+    found = [r.index for b, _ in detector.stream(list_images(tmp_path), lambda errors: None) for r in b.refs]
+    assert fed == [2, 2, 2, 2] and sorted(found) == list(range(8))
+
+
+CONFIG_KEYS = {
+    "model": ["path", "cpu_path", "contract", "labels", "landmarks", "anchor_strides", "anchor_sizes",
+              "box_variances"],
+    "preprocess": ["size", "resize", "channel_order", "mean", "std", "pad_value", "decoder", "max_pixels",
+                   "max_file_mb", "max_batch_pixels", "hw_decoder_load"],
+    "postprocess": ["score_threshold", "iou_threshold", "max_detections", "pre_nms_top_k", "compile"],
+    "run": ["batch_size", "device", "num_threads", "prefetch_batches", "pipeline_depth", "gpu_mem_limit_mb",
+            "prefer_nhwc", "fuse_conv_bias", "tf32", "oom_retry", "cuda_graph", "worker_restarts"],
+}
+VALUES = st.one_of(st.integers(-10**15, 10**15), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
+                   st.none(), st.text(max_size=12), st.lists(st.integers(-5, 100000), max_size=4),
+                   st.lists(st.floats(-1e6, 1e6), max_size=4), st.just("[[1, 2], [3]]"))
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(section=st.sampled_from(sorted(CONFIG_KEYS)), data=st.data(), value=VALUES)
+def test_fuzz_config_overrides_never_raise_anything_but_a_config_error(section, data, value):
+    """Any --set value for any key: a config that loads, or ConfigError naming the key, never
+    another exception (the values that pass are then checked to build on this machine below)."""
+    from pipeline.config import ConfigError, load_config
+
+    key = data.draw(st.sampled_from(CONFIG_KEYS[section]))
+    text = value if isinstance(value, str) and value.startswith("[[") else json.dumps(value)
+    try:
+        load_config(None, [f"{section}.{key}={text}"])
+    except ConfigError as e:
+        assert f"{section}.{key}" in str(e) or "--set" in str(e)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(lines=st.lists(st.one_of(st.binary(max_size=20), st.sampled_from([b"#c", b" ", b"\r", b"\xef\xbb\xbf", b"~",
+                                                                          b"a.jpg", b" a.jpg "])), max_size=8))
+def test_fuzz_list_syntax_never_raises(tmp_path_factory, lines):
+    """Any bytes in a file list: a list of refs (every line kept as a path, or skipped as blank or
+    a comment) or SourceError for a list of none; never another exception."""
+    from pipeline.errors import SourceError
+    from pipeline.source import list_images
+
+    listing = tmp_path_factory.mktemp("list") / "l.txt"
+    listing.write_bytes(b"\n".join(line.replace(b"\n", b"") for line in lines).replace(b"\x00", b""))
+    try:
+        refs = list_images(listing)
+    except SourceError:
+        return
+    assert [r.index for r in refs] == list(range(len(refs))) and all(isinstance(r.path, str) for r in refs)
