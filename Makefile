@@ -1,15 +1,20 @@
 # The README's two commands: `make demo` and `make test`. Each creates or refreshes .venv first.
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 BIN    := $(VENV)/bin
 # torch is pinned for reproducible CI; any torch >= 2.9 works (pyproject.toml). torchvision is
 # there for the tests only (tests/test_retinanet.py exports its RetinaNet); gpudet never imports it.
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test gpu-test model clean
+.PHONY: demo test gpu-test model clean FORCE
 
-$(STAMP): pyproject.toml Makefile
+# The TORCH the environment was made with: rewritten (so newer than the stamp) when TORCH changes.
+$(VENV)/.torch: FORCE
+	@mkdir -p $(VENV)
+	@echo '$(TORCH)' | cmp -s - $@ || echo '$(TORCH)' > $@
+
+$(STAMP): pyproject.toml Makefile $(VENV)/.torch
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)

@@ -1,9 +1,14 @@
-"""The Python API in a few lines: per-image results on the host, or detections kept on the device.
+"""The Python API in a few lines: per-image results on the host, images in memory, a threshold for
+one call, results as JSON and drawn, and detections kept on the device.
 
 Run: python examples/python_api.py [SOURCE] [--device cpu|cuda]
 """
 
 import argparse
+import json
+
+import numpy as np
+from PIL import Image
 
 from pipeline import Detector, ImageError
 
@@ -17,21 +22,27 @@ def main() -> None:
     detector = Detector.from_config(device=args.device, batch_size=8)
 
     # 1. Per-image results on the host: numpy arrays in original pixels.
+    faces = 0
     for result in detector.run(args.source):
         if isinstance(result, ImageError):
             print(f"skipped {result.path}: {result.reason}")
             continue
+        faces += len(result.scores)
         for box, score, name in zip(result.boxes_xyxy, result.scores, result.names):
             print(f"{result.path}: {name} {score:.3f} at {box.round(1).tolist()}")
 
-    # 2. Detections as torch tensors on the device, for work that continues on the GPU: no host copy.
-    from pipeline.source import list_images
+    # 2. An image already in memory, with this call's own threshold; its record as JSON; drawn.
+    photo = np.asarray(Image.open("samples/astronaut.png").convert("RGB"))
+    (result,) = detector.run(photo, score_threshold=0.5)
+    print(json.dumps(result.to_dict())[:120], "...")
+    print(f"drawn: {result.draw(photo).size}")
 
-    refs = list_images(args.source)
-    for batch, found in detector.stream(refs, on_error=lambda errors: None, on_device=True):
-        areas = (found.boxes_xyxy[:, 2:] - found.boxes_xyxy[:, :2]).prod(dim=1)  # computed where the boxes are
-        print(f"batch of {len(batch.refs)}: {len(found.scores)} faces on {found.scores.device}, "
-              f"areas {areas.round().tolist()}")
+    # 3. Detections as torch tensors on the device, for work that continues there: no host copy.
+    for result in detector.run(args.source, on_device=True):
+        areas = (result.boxes_xyxy[:, 2:] - result.boxes_xyxy[:, :2]).prod(dim=1)  # where the boxes are
+        if len(areas):
+            print(f"{result.path}: areas {areas.round().tolist()} on {areas.device}")
+    print(f"{faces} faces on {detector.device}")
 
 
 if __name__ == "__main__":

@@ -36,9 +36,9 @@ from .config import Config
 from .detector import Detector
 from .engine import SCALAR_INPUTS
 from .preprocess import Preprocessor, preprocess_stream
-from .results import ImageError, ImageRef
+from .results import ImageError, ImageRef, detection_records
 from .errors import SourceError
-from .sinks import OutputFolder, detection_records, read_complete_records
+from .sinks import OutputFolder, read_complete_records
 from .source import EncodedImage, list_images, read_checked
 from .timing import StageClock, process_seconds
 

@@ -13,7 +13,7 @@ import shlex
 import sys
 
 from ._version import __version__
-from .errors import EXIT_OK, ConfigError, catch_signals, guarded, setup_logging
+from .errors import EXIT_OK, EXIT_SOME_FAILED, ConfigError, catch_signals, guarded, setup_logging
 
 log = logging.getLogger("gpudet")
 
@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     draw.add_argument("--out", required=True, help="folder for the annotated images (named by index)")
     draw.add_argument("--limit", type=int, help="only the first N images")
     draw.add_argument("--min-score", type=float, default=0.0, help="draw detections scoring at least this")
+    draw.add_argument("--root", help="folder that relative paths in the records resolve against (default: the "
+                                     "working directory; give the one detect ran in)")
+    draw.add_argument("--format", dest="image_format", choices=["jpg", "png", "webp"], default="jpg",
+                      help="image format of the drawings (default jpg)")
     return parser
 
 
@@ -192,10 +196,14 @@ def cmd_draw(args: argparse.Namespace) -> int:
     from .coco import read_detections
     from .draw import draw_records
 
-    written = draw_records(read_detections(args.detections), args.out, limit=args.limit, min_score=args.min_score)
+    written, skipped = draw_records(read_detections(args.detections), args.out, root=args.root, limit=args.limit,
+                                    min_score=args.min_score, image_format=args.image_format)
+    for line in skipped:
+        log.warning("not drawn: %s", line)
     if not args.quiet:
-        say(f"gpudet: {len(written)} images drawn into {args.out}")
-    return EXIT_OK
+        say(f"gpudet: {len(written)} images drawn into {args.out}" +
+            (f"; {len(skipped)} skipped (listed above; --root if the paths are relative)" if skipped else ""))
+    return EXIT_SOME_FAILED if skipped else EXIT_OK
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

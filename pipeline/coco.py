@@ -76,7 +76,10 @@ def to_coco_results(records: Iterable[dict], gt: dict) -> tuple[list[dict], int]
 
 def evaluate(gt: dict, results: list[dict]) -> dict[str, float]:
     """The 12 standard COCO bbox metrics (faster-coco-eval). No detections: every metric is 0."""
-    from faster_coco_eval import COCO, COCOeval_faster
+    try:
+        from faster_coco_eval import COCO, COCOeval_faster
+    except ImportError:
+        raise ConfigError("gpudet eval needs faster-coco-eval: pip install 'gpudet[eval]'") from None
 
     if not results:
         return dict.fromkeys(METRICS, 0.0)

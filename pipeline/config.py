@@ -1,7 +1,8 @@
 """Typed, strict configuration: YAML file -> dataclasses, with `--set key=value` overrides.
 
 Every key is declared here with its type and default; an unknown key, a wrong type or an invalid
-value raises ConfigError naming the key. `Detector.from_config` is the one place that turns a
+value raises ConfigError naming the key. A Config is read-only (frozen, lists as tuples): what a
+Detector was built from cannot change under it; `dataclasses.replace` makes a changed copy. `Detector.from_config` is the one place that turns a
 Config into the stages' arguments; the stages themselves take plain keyword arguments.
 """
 
@@ -21,7 +22,7 @@ import yaml
 from .errors import ConfigError
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     path: str = "retinaface_mnet025.onnx"
     """ONNX file. Relative paths resolve against the config file's folder, the working directory,
@@ -31,28 +32,28 @@ class ModelConfig:
     default config: float32 there, float16 on a GPU); None: `path` everywhere. --model sets both."""
     contract: Literal["auto", "end_to_end", "ssd_heads", "retinanet_heads"] = "auto"
     """How outputs are read (README, "Model contract"); auto recognises it from the output names."""
-    labels: list[str] = field(default_factory=lambda: ["face"])
+    labels: tuple[str, ...] = ("face",)
     """Class names, indexed by the model's label output (or label 0 when it has none)."""
     landmarks: int = 5
     """Landmark points per detection the model outputs (0 for none)."""
-    anchor_strides: list[int] = field(default_factory=lambda: [8, 16, 32])
+    anchor_strides: tuple[int, ...] = (8, 16, 32)
     """ssd_heads: feature-map strides, in the order of the heads' anchors (RetinaFace's)."""
-    anchor_sizes: list[list[float]] = field(default_factory=lambda: [[16.0, 32.0], [64.0, 128.0], [256.0, 512.0]])
+    anchor_sizes: tuple[tuple[float, ...], ...] = ((16.0, 32.0), (64.0, 128.0), (256.0, 512.0))
     """ssd_heads: square anchor sizes in input pixels, per stride."""
-    box_variances: list[float] = field(default_factory=lambda: [0.1, 0.2])
+    box_variances: tuple[float, ...] = (0.1, 0.2)
     """ssd_heads: SSD box coding variances (center, size)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class PreprocessConfig:
-    size: list[int] = field(default_factory=lambda: [640, 640])
+    size: tuple[int, ...] = (640, 640)
     """Model input [height, width], used when the model's own input size is dynamic."""
     resize: Literal["letterbox", "stretch"] = "letterbox"
     """letterbox keeps the aspect ratio and pads right/bottom; stretch scales each axis alone."""
     channel_order: Literal["RGB", "BGR"] = "BGR"
-    mean: list[float] = field(default_factory=lambda: [104.0, 117.0, 127.0])
+    mean: tuple[float, ...] = (104.0, 117.0, 127.0)
     """Per channel, in channel_order, in 0..255 pixel units."""
-    std: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
+    std: tuple[float, ...] = (1.0, 1.0, 1.0)
     pad_value: float = 0.0
     """Pixel value (0..255, before normalisation) of the letterbox padding."""
     decoder: Literal["auto", "cpu"] = "auto"
@@ -73,7 +74,7 @@ class PreprocessConfig:
     docs/BENCHMARKS.md); nvJPEG decodes the rest on the GPU's SMs."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class PostprocessConfig:
     score_threshold: float = 0.9
     """Keep detections scoring at least this. 0.9 is the RetinaFace reference's threshold."""
@@ -89,7 +90,7 @@ class PostprocessConfig:
     plain kernels, with a warning, where compiling fails."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     batch_size: int = 32
     device: str = "auto"
@@ -132,7 +133,7 @@ class RunConfig:
     worker that exits with an error of gpudet's (a bad config, model or device) is not restarted."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
@@ -203,11 +204,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return None
         (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
         return _coerce(key, value, inner)
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        if not isinstance(value, list):
+    if origin is tuple:
+        item = typing.get_args(hint)[0]
+        if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+        return tuple(_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, float) and not math.isfinite(value):
@@ -217,18 +218,18 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     return value
 
 
-def _apply(config: Config, values: dict[str, Any], origin: str) -> None:
+def _apply(sections: dict[str, dict[str, Any]], values: dict[str, Any], origin: str) -> None:
+    """Check `values` ({section: {key: value}}) and merge them into `sections`."""
     for section, body in values.items():
         if section not in SECTIONS:
             raise ConfigError(f"{origin}: unknown section {section!r}; expected one of {', '.join(SECTIONS)}")
         if not isinstance(body, dict):
             raise ConfigError(f"{origin}: section {section!r} must be a mapping of keys")
         hints = typing.get_type_hints(SECTIONS[section])
-        target = getattr(config, section)
         for key, value in body.items():
             if key not in hints:
                 raise ConfigError(f"{origin}: unknown key {section}.{key}; known: {', '.join(hints)}")
-            setattr(target, key, _coerce(f"{section}.{key}", value, hints[key]))
+            sections[section][key] = _coerce(f"{section}.{key}", value, hints[key])
 
 
 def parse_override(text: str) -> dict[str, Any]:
@@ -289,10 +290,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    config = Config(source_file=str(path))
-    _apply(config, values, str(path))
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    _apply(sections, values, str(path))
     for text in overrides:
-        _apply(config, parse_override(text), f"--set {text}")
+        _apply(sections, parse_override(text), f"--set {text}")
+    config = Config(**{name: kind(**sections[name]) for name, kind in SECTIONS.items()}, source_file=str(path))
     config.validate()
     return config
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
+from itertools import groupby
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +32,7 @@ from .postprocess import (DeviceDetections, EndToEnd, PackedDetections, RetinaNe
                           image_meta)
 from .preprocess import PreprocessedBatch, Preprocessor, preprocess_stream
 from .results import Detections, ImageError, ImageRef, ImageResult
-from .source import EncodedImage, list_images, read_batches, within_pixels
+from .source import EncodedImage, Item, PixelImage, as_item, list_images, read_batches, within_pixels
 from .timing import StageClock
 
 log = logging.getLogger("gpudet")
@@ -65,6 +67,7 @@ class Detector:
         self.overlap = self.device.is_cuda
         """Engine and postprocess on threads of their own (GPU); on the CPU they run inline."""
         self._streaming = False
+        self._preprocessors = {preprocessor.source: preprocessor}
         self._warm_up()
 
     @classmethod
@@ -123,13 +126,15 @@ class Detector:
                 "contract": self.contract, "inputs": [s.describe() for s in engine.inputs],
                 "outputs": [s.describe() for s in engine.outputs], "providers": engine.session.get_providers()}
 
-    def stream(self, refs: list[ImageRef], on_error: Callable[[list[ImageError]], None], *,
-               clock: StageClock | None = None, on_device: bool = False
+    def stream(self, items: Iterable[Item], on_error: Callable[[list[ImageError]], None], *,
+               clock: StageClock | None = None, on_device: bool = False, thresholds: Thresholds | None = None
                ) -> Iterator[tuple[PreprocessedBatch, Detections | DeviceDetections]]:
-        """The data path over `refs`: yields each batch with its detections, in submission order
-        (a batch retried after a decode failure comes back in parts). Every image ends either in
-        a yielded batch or in `on_error`, exactly once. on_device=True yields DeviceDetections
-        (torch tensors on the device, no host copy); they are the caller's to keep.
+        """The data path over `items` (files to read: ImageRef; images in memory: source.as_item),
+        taken as they are needed: yields each batch with its detections, in submission order (a
+        batch retried after a decode failure comes back in parts). Every image ends either in a
+        yielded batch or in `on_error`, exactly once. on_device=True yields DeviceDetections (torch
+        tensors on the device, no host copy); they are the caller's to keep. thresholds: what the
+        postprocess keeps in this stream (default: the config's).
 
         One stream at a time per detector (its DALI pipeline and output buffers serve one): a
         second, started before the first is finished or closed, raises."""
@@ -138,12 +143,14 @@ class Detector:
                                "finish or close that one first, or build a second Detector")
         self._streaming = True
         try:
-            yield from self._stream(refs, on_error, clock or StageClock(), on_device)
+            keep = thresholds or self.thresholds
+            self.engine.submit(self.engine.bind_scalars, dataclasses.asdict(keep)).result()  # a model that takes them
+            yield from self._stream(items, on_error, clock or StageClock(), on_device, keep)
         finally:
             self._streaming = False
 
-    def _stream(self, refs: list[ImageRef], on_error: Callable[[list[ImageError]], None], clock: StageClock,
-                on_device: bool) -> Iterator[tuple[PreprocessedBatch, Detections | DeviceDetections]]:
+    def _stream(self, items: Iterable[Item], on_error: Callable[[list[ImageError]], None], clock: StageClock,
+                on_device: bool, thresholds: Thresholds) -> Iterator[tuple[PreprocessedBatch, Detections | DeviceDetections]]:
         # On a GPU three threads overlap: this one feeds DALI and hands finished batches to the
         # caller; the engine's thread runs the model (ORT releases the GIL for the whole run); the
         # postprocess thread decodes, NMS's and copies the final rows to the host. The engine fills
@@ -152,15 +159,15 @@ class Detector:
         depth = self.engine.slots
         pending: deque[tuple[PreprocessedBatch, Future]] = deque()  # past DALI, oldest first
         reading: dict[int, Future] = {}  # slot -> the postprocess reading its buffers
-        files = clock.timed(read_batches(refs, batch_size=self.batch_size, num_threads=self.num_threads,
+        files = clock.timed(read_batches(items, batch_size=self.batch_size, num_threads=self.num_threads,
                                          max_pixels=self.max_pixels, max_bytes=self.max_file_bytes), "read")
-        batches = clock.timed(preprocess_stream(self.preprocessor, readable(files, on_error, self.max_batch_pixels),
-                                                on_error, depth=self.prefetch_batches), "preprocess")
+        batches = clock.timed(self._preprocessed(readable(files, on_error, self.max_batch_pixels), on_error),
+                              "preprocess")
         with self._threads() as (engine, post):
             for i, batch in enumerate(batches):  # source: files read ahead, checked -> preprocess: DALI
                 slot = i % depth
                 ran = engine.submit(self._model, batch, slot, reading.get(slot), clock)  # engine: ORT on DALI's buffer
-                reading[slot] = post.submit(self._postprocess, batch, ran, on_device, clock)  # postprocess -> host
+                reading[slot] = post.submit(self._postprocess, batch, ran, on_device, thresholds, clock)  # -> host
                 pending.append((batch, reading[slot]))
                 if len(pending) == depth:
                     yield finished(*pending.popleft(), clock)
@@ -179,14 +186,23 @@ class Detector:
         finally:
             clock.add("engine", time.perf_counter() - start)
 
-    def _postprocess(self, batch: PreprocessedBatch, ran: Future, on_device: bool,
+    def _preprocessed(self, batches: Iterable[list[EncodedImage | PixelImage]],
+                      on_error: Callable[[list[ImageError]], None]) -> Iterator[PreprocessedBatch]:
+        """Each batch through DALI, run.prefetch_batches in flight: files and encoded bytes through
+        the decoding pipeline, decoded pixels through one of their own (built when first needed)."""
+        for source, group in groupby(batches, key=source_of):
+            if source not in self._preprocessors:
+                self._preprocessors[source] = self.preprocessor.for_source(source)
+            yield from preprocess_stream(self._preprocessors[source], group, on_error, depth=self.prefetch_batches)
+
+    def _postprocess(self, batch: PreprocessedBatch, ran: Future, on_device: bool, thresholds: Thresholds,
                      clock: StageClock) -> Detections | DeviceDetections:
         """The batch's postprocess on the device, then its one copy to the host (or, on_device,
         none). Clock: "engine_gpu" is the span of the model's kernels on the engine's stream."""
         launched: Launched = ran.result()
         launched.wait()  # this thread's stream waits for the model, on the device
         meta = image_meta(batch.scale_yx, batch.pad_yx, batch.orig_hw)
-        found = self.postprocess(launched.outputs, meta, num_images=len(batch.refs), thresholds=self.thresholds)
+        found = self.postprocess(launched.outputs, meta, num_images=len(batch.refs), thresholds=thresholds)
         if on_device:
             found = found.on_device()
             if self.device.is_cuda:  # done reading the engine's output buffers before they are reused
@@ -224,32 +240,65 @@ class Detector:
                               np.tile(np.array(size_hw, np.int64), (n, 1)))
             self.postprocess(outputs, meta, num_images=0, thresholds=self.thresholds).to_host()
 
-    def run(self, source: str | Path | list[str], *, root: str | None = None) -> Iterator[ImageResult | ImageError]:
-        """Per-image results for a source (file list, folder, glob, or a list of paths), in batch
-        order; images that cannot be processed come as ImageError, never as an exception."""
-        if isinstance(source, (list, tuple)):
-            refs = [ImageRef(i, str(p)) for i, p in enumerate(source)]
-        else:
-            refs = list_images(source, root=root)
+    def run(self, source, *, root: str | None = None, score_threshold: float | None = None,
+            iou_threshold: float | None = None, max_detections: int | None = None,
+            on_device: bool = False) -> Iterator[ImageResult | ImageError]:
+        """Per-image results, in order; an image that cannot be processed comes as an ImageError,
+        never as an exception.
+
+        source: a file list (.txt), a folder, a glob or an image file (str or Path); one image in
+        memory; or any iterable (a generator too, read as it is needed) of paths and images in
+        memory. An image in memory: encoded bytes (bytes, or a 1-D uint8 numpy array or CPU
+        tensor), a PIL image, uint8 RGB pixels as a numpy array [H, W, 3] or a torch tensor
+        [H, W, 3] or [3, H, W], on the CPU or on the detector's GPU (handed to DALI there, with no
+        host copy). score_threshold, iou_threshold, max_detections: this run's, instead of the
+        config's (no new session). on_device: the results' arrays as torch tensors on the device."""
+        keep = dataclasses.replace(self.thresholds, **{k: v for k, v in (
+            ("score_threshold", score_threshold), ("iou_threshold", iou_threshold),
+            ("max_detections", max_detections)) if v is not None})
         failed: deque[ImageError] = deque()
-        for batch, found in self.stream(refs, failed.extend):
+        for batch, found in self.stream(inputs(source, root), failed.extend, on_device=on_device, thresholds=keep):
             yield from failed
             failed.clear()
-            for row, ref in enumerate(batch.refs):
-                height, width = (int(v) for v in batch.orig_hw[row])
-                yield ImageResult.of(ref, height, width, found, row, self.labels)
+            per_image = found.per_image(len(batch.refs))
+            for ref, (height, width), found_here in zip(batch.refs, batch.orig_hw.tolist(), per_image):
+                yield ImageResult.of(ref, height, width, found_here, self.labels)
         yield from failed
 
 
-def readable(batches: Iterable[list[EncodedImage | ImageError]], on_error: Callable[[list[ImageError]], None],
-             max_batch_pixels: int) -> Iterator[list[EncodedImage]]:
-    """The images of each batch that passed the source's checks, in parts that decode to at most
-    max_batch_pixels; the others go to on_error."""
+def inputs(source, root: str | None) -> Iterator[Item]:
+    """What Detector.run takes, as the stream's items; values that are no image come out as
+    ImageErrors, which the source check passes on."""
+    if isinstance(source, (str, os.PathLike)):
+        yield from list_images(source, root=root)
+        return
+    if not isinstance(source, Iterable) or isinstance(source, (bytes, bytearray, memoryview)) or \
+            type(source).__module__.split(".")[0] in ("numpy", "torch", "PIL"):
+        source = [source]  # one image in memory
+    for index, value in enumerate(source):
+        yield as_item(value, index)
+
+
+def readable(batches: Iterable[list[EncodedImage | PixelImage | ImageError]],
+             on_error: Callable[[list[ImageError]], None],
+             max_batch_pixels: int) -> Iterator[list[EncodedImage | PixelImage]]:
+    """The images of each batch that passed the source's checks, in parts of one kind (files and
+    encoded bytes, or decoded pixels) that decode to at most max_batch_pixels; the others go to
+    on_error."""
     for items in batches:
         errors = [i for i in items if isinstance(i, ImageError)]
         if errors:
             on_error(errors)
-        yield from within_pixels([i for i in items if isinstance(i, EncodedImage)], max_batch_pixels)
+        for _, part in groupby((i for i in items if not isinstance(i, ImageError)), key=source_of):
+            yield from within_pixels(list(part), max_batch_pixels)
+
+
+def source_of(item_or_batch) -> str:
+    """The Preprocessor source a decodable image (or a batch of one kind) goes through."""
+    item = item_or_batch[0] if isinstance(item_or_batch, list) else item_or_batch
+    if isinstance(item, EncodedImage):
+        return "encoded"
+    return "device_pixels" if item.on_device else "host_pixels"
 
 
 def cuda_ep_options(run: RunConfig) -> dict[str, str]:

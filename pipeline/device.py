@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -54,11 +55,13 @@ def resolve_device(spec: str) -> Device:
         return Device("cpu") if cuda_problem(0) else Device("cuda", 0)
     match = re.fullmatch(r"cuda(?::(\d+))?", spec)
     if not match:
-        raise DeviceError(f"device {spec!r} is not one of auto, cpu, cuda, cuda:N")
+        raise DeviceError(f"device {spec!r} is not one of auto, cpu, cuda, cuda:N (--device, run.device, "
+                          "Detector.from_config(device=...))")
     index = int(match.group(1) or 0)
     problem = cuda_problem(index)
     if problem:
-        raise DeviceError(f"--device {spec}: {problem}. Use --device cpu to run on the CPU.")
+        raise DeviceError(f"device {spec}: {problem}; to run on the CPU: --device cpu (Python: "
+                          "Detector.from_config(device='cpu'))")
     return Device("cuda", index)
 
 
@@ -67,7 +70,7 @@ def free_bytes(device: Device) -> int:
     if device.is_cuda:
         return torch.cuda.mem_get_info(device.index)[0]
     try:
-        for line in open("/proc/meminfo"):
+        for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) << 10
     except OSError:

@@ -22,8 +22,8 @@ import numpy as np
 
 from .config import Config
 from .errors import ConfigError
-from .results import ImageError, ImageRef
-from .sinks import OutputFolder, RunResult, detection_records
+from .results import ImageError, ImageRef, detection_records
+from .sinks import OutputFolder, RunResult
 from .source import list_images
 
 

@@ -1,47 +1,75 @@
-"""Visualisation: draw boxes, labels, scores and landmarks from detections.jsonl onto the images.
+"""Drawing: boxes, `name score` labels and landmarks from detections onto the images, with Pillow.
 
 Output files are named by the record's index (`00000042.jpg`), never by the input path, so
-nothing a file list says can place a file outside the output folder.
+nothing a file list says can place a file outside the output folder. Lines and labels scale with
+the image (a label stays readable on a 3,000 px photo), and a label that would leave the image
+at the top is drawn inside its box.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
-from PIL import Image, ImageDraw, ImageOps
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont, ImageOps
 
 PALETTE = ((230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
            (70, 240, 240), (240, 50, 230))
+FORMATS = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
 
 
-def draw_record(record: dict, *, min_score: float = 0.0) -> Image.Image:
-    """The record's image in display orientation (as its boxes are), with its detections drawn."""
-    image = ImageOps.exif_transpose(Image.open(record["path"])).convert("RGB")
+def draw_detections(record: dict, image=None, *, min_score: float = 0.0) -> Image.Image:
+    """A record of detections.jsonl (or ImageResult.to_dict()) drawn onto `image`: a path, a PIL
+    image or uint8 RGB pixels [H, W, 3]; default the file at the record's path, in display
+    orientation (EXIF applied), as the boxes are."""
+    if image is None or isinstance(image, (str, Path)):
+        image = ImageOps.exif_transpose(Image.open(image or record["path"]))
+    elif isinstance(image, np.ndarray):
+        image = Image.fromarray(image)
+    image = image.convert("RGB")
     canvas = ImageDraw.Draw(image)
-    width = max(2, round(max(image.size) / 400))
+    line = max(2, round(max(image.size) / 400))
+    font = ImageFont.load_default(size=max(12, round(max(image.size) / 50)))
     for det in record["detections"]:
         if det["score"] < min_score:
             continue
         color = PALETTE[det["label"] % len(PALETTE)]
         x1, y1, x2, y2 = det["box"]
-        canvas.rectangle([x1, y1, x2, y2], outline=color, width=width)
+        canvas.rectangle([x1, y1, x2, y2], outline=color, width=line)
         text = f"{det['name']} {det['score']:.2f}"
-        left, top, right, bottom = canvas.textbbox((x1, y1), text)
-        canvas.rectangle([left, top - (bottom - top) - 2, right + 2, top], fill=color)
-        canvas.text((x1 + 1, top - (bottom - top) - 2), text, fill=(0, 0, 0))
+        left, top, right, bottom = canvas.textbbox((0, 0), text, font=font)
+        width, height = right - left + 2 * line, bottom - top + 2 * line
+        label_y = y1 - height if y1 - height >= 0 else y1  # above the box, or inside it at the top edge
+        label_x = min(max(0, x1), max(0, image.width - width))
+        canvas.rectangle([label_x, label_y, label_x + width, label_y + height], fill=color)
+        canvas.text((label_x + line - left, label_y + line - top), text, fill=(0, 0, 0), font=font)
         for x, y in det.get("landmarks", []):
-            canvas.ellipse([x - width, y - width, x + width, y + width], fill=color)
+            canvas.ellipse([x - line, y - line, x + line, y + line], fill=color)
     return image
 
 
-def draw_records(records: list[dict], out_dir: str | Path, *, limit: int | None = None,
-                 min_score: float = 0.0) -> list[Path]:
-    """Write one annotated JPEG per record (the first `limit`); returns the files written."""
+def draw_records(records: Iterable[dict], out_dir: str | Path, *, root: str | Path | None = None,
+                 limit: int | None = None, min_score: float = 0.0, image_format: str = "jpg"
+                 ) -> tuple[list[Path], list[str]]:
+    """Write one annotated image per record (the first `limit`) into out_dir. A record's relative
+    path resolves against `root` (default: the working directory). Returns the files written and
+    one line per image that could not be drawn (missing, unreadable): those are skipped."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for record in records[:limit]:
-        path = out / f"{int(record['index']):08d}.jpg"
-        draw_record(record, min_score=min_score).save(path, quality=90)
+    written, skipped = [], []
+    for k, record in enumerate(records):
+        if limit is not None and k >= limit:
+            break
+        source = Path(record["path"])
+        if root is not None and not source.is_absolute():
+            source = Path(root) / source
+        try:
+            image = draw_detections(record, source, min_score=min_score)
+        except (OSError, ValueError) as e:  # gone since the run, unreadable, no longer an image
+            skipped.append(f"{source}: {e.strerror if isinstance(e, OSError) and e.strerror else e}")
+            continue
+        path = out / f"{int(record['index']):08d}.{image_format}"
+        image.save(path, FORMATS[image_format], **({"quality": 90} if image_format != "png" else {}))
         written.append(path)
-    return written
+    return written, skipped

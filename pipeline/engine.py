@@ -218,11 +218,17 @@ class Engine:
         self._static_buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._graph_inputs: dict[int, torch.Tensor] = {}  # cuda_graph: per slot, the input buffer
         self._run_options: dict[tuple[int, bool], ort.RunOptions] = {}  # (slot, synchronize) -> options
+        missing = [s.name for s in self.inputs if s.name in SCALAR_INPUTS and s.name not in scalars]
+        if missing:
+            raise ModelError(f"{self.model_path}: input {missing[0]} needs a value")
+        self.bind_scalars(scalars)
+
+    def bind_scalars(self, values: dict[str, float | int]) -> None:
+        """The postprocess inputs the model declares (score_threshold, iou_threshold,
+        max_detections), bound from `values` on the host, where ORT's kernels read them."""
         for spec in self.inputs:
             if spec.name in SCALAR_INPUTS:
-                if spec.name not in scalars:
-                    raise ModelError(f"{self.model_path}: input {spec.name} needs a value")
-                self.binding.bind_cpu_input(spec.name, np.array([scalars[spec.name]], SCALAR_INPUTS[spec.name]))
+                self.binding.bind_cpu_input(spec.name, np.array([values[spec.name]], SCALAR_INPUTS[spec.name]))
 
     def _session(self, dim_overrides: dict[str, int], probe: bool = False) -> ort.InferenceSession:
         options = ort.SessionOptions()

@@ -76,6 +76,16 @@ class DeviceDetections:
     def on_device(self) -> DeviceDetections:
         return self
 
+    def per_image(self, count: int) -> list[DeviceDetections]:
+        """The rows of images 0..count-1 (rows are grouped by image), each as its own
+        DeviceDetections, views of these tensors; the counts cost one host sync."""
+        counts = torch.bincount(self.batch_index, minlength=count)[:count].tolist()
+        columns = [c.split(counts) for c in (self.boxes_xyxy, self.scores, self.labels)]
+        marks = self.landmarks.split(counts) if self.landmarks is not None else [None] * count
+        return [DeviceDetections(batch_index=torch.zeros_like(scores, dtype=torch.int64), boxes_xyxy=boxes,
+                                 scores=scores, labels=labels, landmarks=landmarks)
+                for boxes, scores, labels, landmarks in zip(*columns, marks)]
+
     def to_host(self) -> Detections:
         """One device-to-host copy of all columns, packed."""
         columns = [self.batch_index.float()[:, None], self.labels.float()[:, None], self.scores[:, None],

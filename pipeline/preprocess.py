@@ -32,7 +32,7 @@ from nvidia.dali import fn, pipeline_def, types
 from .device import Device
 from .errors import GpudetError
 from .results import ImageError, ImageRef
-from .source import EncodedImage
+from .source import EncodedImage, PixelImage
 
 # Share of each batch's JPEGs given to the hardware JPEG decoder (A100, H100, H200); nvJPEG decodes
 # the rest on the SMs. DALI's default is 0.65; 0.9 decoded faster on the H200 (docs/BENCHMARKS.md).
@@ -54,19 +54,18 @@ class PreprocessedBatch:
     """float32 [B, 2]: offset of the image inside the model input (0: padding is right/bottom)."""
 
 
-def letterbox_graph(encoded, *, decode_device: str, height: int, width: int, resize: str, channel_order: str,
-                    mean: list[float], std: list[float], pad_value: float, dtype: types.DALIDataType,
-                    layout: str, on_gpu: bool = False, hw_decoder_load: float = HW_DECODER_LOAD):
-    """The preprocessing graph over DataNodes: returns (images, original HWC shape, resized HWC shape).
-    decode_device: DALI's "mixed" (nvJPEG) or "cpu"; on_gpu: the operators after the decoder run
-    on the GPU (implied by "mixed")."""
+def decode(encoded, *, decode_device: str, channel_order: str, hw_decoder_load: float = HW_DECODER_LOAD):
+    """Encoded images -> uint8 HWC in channel_order. decode_device: DALI's "mixed" (nvJPEG, the
+    hardware decoder's share: hw_decoder_load) or "cpu". Grayscale and CMYK come out as 3
+    channels; EXIF orientation is applied."""
     decoder_args = {"hw_decoder_load": hw_decoder_load} if decode_device == "mixed" else {}
     output_type = types.BGR if channel_order == "BGR" else types.RGB
-    # Grayscale and CMYK are converted to 3 channels; EXIF orientation is applied by default.
-    images = fn.decoders.image(encoded, device=decode_device, output_type=output_type, **decoder_args)
-    original_shape = images.shape()
-    if on_gpu and decode_device == "cpu":
-        images = images.gpu()
+    return fn.decoders.image(encoded, device=decode_device, output_type=output_type, **decoder_args)
+
+
+def letterbox_graph(images, *, height: int, width: int, resize: str, mean: list[float], std: list[float],
+                    pad_value: float, dtype: types.DALIDataType, layout: str):
+    """uint8 HWC images (any device) -> the model's input: (images, resized HWC shape)."""
     if resize == "letterbox":
         # not_larger keeps the aspect ratio inside height x width. subpixel_scale=False makes the
         # scale exactly (resized size / original size) per axis, which is what maps boxes back.
@@ -79,18 +78,35 @@ def letterbox_graph(encoded, *, decode_device: str, height: int, width: int, res
     images = fn.crop_mirror_normalize(images, crop=[height, width], crop_pos_x=0.0, crop_pos_y=0.0,
                                       out_of_bounds_policy="pad", fill_values=[pad_value] * 3,
                                       mean=mean, std=std, dtype=dtype, output_layout=layout)
-    return images, original_shape, resized_shape
+    return images, resized_shape
 
 
 @pipeline_def
-def _file_bytes_pipeline(decode_device: str, graph_args: dict):
-    """Encoded bytes and each image's index fed from Python; the index comes back with the batch."""
-    # no_copy: DALI reads the files' bytes where they are (a copy costs the feeding thread, which is
-    # the loop's, about 3x the time), so Preprocessor keeps each batch (its in_flight) until the
+def _pipeline(source: str, decode_device: str, on_gpu: bool, channel_order: str, hw_decoder_load: float,
+              graph_args: dict):
+    """Images and each one's index fed from Python; the index comes back with the batch.
+
+    source: "encoded" (a file's bytes, decoded here), "host_pixels" (uint8 RGB HWC arrays) or
+    "device_pixels" (the same on the GPU: DALI reads them there, no host copy)."""
+    # no_copy: DALI reads what it is fed where it is (a copy costs the feeding thread, which is the
+    # loop's, about 3x the time), so Preprocessor keeps each batch (its in_flight) until the
     # outputs of its run are taken.
-    encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1, no_copy=True)
     index = fn.external_source(name="index", dtype=types.INT64, ndim=0)
-    images, original_shape, resized_shape = letterbox_graph(encoded, decode_device=decode_device, **graph_args)
+    if source == "encoded":
+        encoded = fn.external_source(name="images", dtype=types.UINT8, ndim=1, no_copy=True)
+        images = decode(encoded, decode_device=decode_device, channel_order=channel_order,
+                        hw_decoder_load=hw_decoder_load)
+        on_host = decode_device == "cpu"
+    else:
+        on_host = source == "host_pixels"
+        images = fn.external_source(name="images", device="cpu" if on_host else "gpu", dtype=types.UINT8, ndim=3,
+                                    layout="HWC", no_copy=True)
+        if channel_order == "BGR":
+            images = fn.color_space_conversion(images, image_type=types.RGB, output_type=types.BGR)
+    original_shape = images.shape()
+    if on_gpu and on_host:
+        images = images.gpu()
+    images, resized_shape = letterbox_graph(images, **graph_args)
     return images, original_shape, resized_shape, index
 
 
@@ -115,32 +131,40 @@ class Preprocessor:
                  mean: list[float], std: list[float], pad_value: float,
                  dtype: Literal["float32", "float16"], layout: Literal["NCHW", "NHWC"],
                  pad_partial_batches: bool = False, decoder: Literal["auto", "cpu"] = "auto",
-                 hw_decoder_load: float = HW_DECODER_LOAD):
+                 hw_decoder_load: float = HW_DECODER_LOAD,
+                 source: Literal["encoded", "host_pixels", "device_pixels"] = "encoded"):
         """pad_partial_batches: fill a short batch up to batch_size by repeating its last image, so
         the model always sees one input shape (a new shape costs ORT's CUDA EP a cuDNN algorithm
-        search, seconds on a GPU). The extra rows are not in `refs`."""
+        search, seconds on a GPU). The extra rows are not in `refs`. source: what batches hold
+        (_pipeline); `for_source` makes the same preprocessing for another."""
+        self._arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self.device = device
+        self.source = source
         self.pad_partial_batches = pad_partial_batches
         self.batch_size = batch_size
         self.height, self.width = height, width
         self.num_threads = num_threads
         self.graph_args = dict(
-            height=height, width=width, resize=resize, channel_order=channel_order, mean=list(mean),
-            std=list(std), pad_value=pad_value, layout="CHW" if layout == "NCHW" else "HWC",
-            dtype=types.FLOAT16 if dtype == "float16" else types.FLOAT, on_gpu=device.is_cuda,
-            hw_decoder_load=hw_decoder_load)
+            height=height, width=width, resize=resize, mean=list(mean), std=list(std), pad_value=pad_value,
+            layout="CHW" if layout == "NCHW" else "HWC", dtype=types.FLOAT16 if dtype == "float16" else types.FLOAT)
+        self.channel_order, self.hw_decoder_load = channel_order, hw_decoder_load
         self.decode_device = "mixed" if device.is_cuda and decoder == "auto" else "cpu"
-        self.in_flight: deque[list[EncodedImage]] = deque()
+        self.in_flight: deque[list[EncodedImage | PixelImage]] = deque()
         self.pipe = self._build()
 
+    def for_source(self, source: Literal["encoded", "host_pixels", "device_pixels"]) -> Preprocessor:
+        """The same preprocessing, for batches of another kind (a pipeline of its own)."""
+        return Preprocessor(**{**self._arguments, "source": source})
+
     def _build(self):
-        pipe = _file_bytes_pipeline(
+        pipe = _pipeline(
             batch_size=self.batch_size, num_threads=self.num_threads,
             device_id=self.device.index if self.device.is_cuda else None,
             # Depth 1 and explicit schedule_run() per fed batch: the pipeline never asks for a
             # batch that was not fed (a deeper prefetch would, at the end of the data).
-            prefetch_queue_depth=1,
-            decode_device=self.decode_device, graph_args=self.graph_args)
+            prefetch_queue_depth=1, source=self.source, decode_device=self.decode_device,
+            on_gpu=self.device.is_cuda, channel_order=self.channel_order, hw_decoder_load=self.hw_decoder_load,
+            graph_args=self.graph_args)
         pipe.build()
         return pipe
 
@@ -149,11 +173,17 @@ class Preprocessor:
         self.in_flight.clear()
         self.pipe = self._build()
 
-    def submit(self, batch: list[EncodedImage]) -> None:
+    def submit(self, batch: list[EncodedImage | PixelImage]) -> None:
         """Start preprocessing `batch` (1..batch_size images) without waiting for it."""
         assert 0 < len(batch) <= self.batch_size
         fed = batch + batch[-1:] * (self.batch_size - len(batch)) if self.pad_partial_batches else batch
-        self.pipe.feed_input("encoded", [item.data for item in fed])
+        if self.source == "device_pixels":  # DALI orders its reads after the work queued on torch's stream
+            import torch
+
+            self.pipe.feed_input("images", [item.data for item in fed],
+                                 cuda_stream=torch.cuda.current_stream(self.device.torch).cuda_stream)
+        else:
+            self.pipe.feed_input("images", [item.data for item in fed])
         # One [B] array of B scalar samples: DALI checks a list of B 0-d arrays sample by sample, on
         # the loop's thread, several times slower.
         self.pipe.feed_input("index", np.array([item.ref.index for item in fed], dtype=np.int64))
@@ -178,7 +208,7 @@ class Preprocessor:
             images=images.as_tensor(), refs=[item.ref for item in batch], orig_hw=orig_hw,
             scale_yx=resized_hw / orig_hw.astype(np.float32), pad_yx=np.zeros_like(resized_hw))
 
-    def run(self, batch: list[EncodedImage]) -> PreprocessedBatch:
+    def run(self, batch: list[EncodedImage | PixelImage]) -> PreprocessedBatch:
         """Preprocess one batch and wait for it (nothing else may be in flight)."""
         assert not self.in_flight
         self.submit(batch)

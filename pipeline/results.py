@@ -64,10 +64,23 @@ class Detections:
     def rows_of(self, image: int) -> np.ndarray:
         return np.flatnonzero(self.batch_index == image)
 
+    def per_image(self, count: int) -> list[Detections]:
+        """The rows of images 0..count-1, each as its own Detections (batch_index 0)."""
+        ends = np.searchsorted(self.batch_index, np.arange(1, count + 1), side="left").tolist()
+        parts, start = [], 0
+        for end in ends:
+            rows = slice(start, end)
+            parts.append(Detections(batch_index=np.zeros(end - start, np.int64), boxes_xyxy=self.boxes_xyxy[rows],
+                                    scores=self.scores[rows], labels=self.labels[rows],
+                                    landmarks=None if self.landmarks is None else self.landmarks[rows]))
+            start = end
+        return parts
+
 
 @dataclass
 class ImageResult:
-    """One image's detections, on the host, in original pixels (after EXIF orientation)."""
+    """One image's detections, in original pixels (after EXIF orientation): numpy arrays on the
+    host, or torch tensors on the detector's device (Detector.run(..., on_device=True))."""
 
     index: int
     path: str
@@ -80,16 +93,61 @@ class ImageResult:
     landmarks: np.ndarray | None  # float32 [K, L, 2], or None
 
     @classmethod
-    def of(cls, ref: ImageRef, height: int, width: int, found: Detections, row: int,
-           label_names: list[str]) -> ImageResult:
-        """Image `row` of a batch's detections."""
-        rows = found.rows_of(row)
-        labels = found.labels[rows]
-        return cls(index=ref.index, path=ref.path, width=width, height=height, boxes_xyxy=found.boxes_xyxy[rows],
-                   scores=found.scores[rows], labels=labels, names=label_name(label_names, labels.tolist()),
-                   landmarks=None if found.landmarks is None else found.landmarks[rows])
+    def of(cls, ref: ImageRef, height: int, width: int, found, label_names: list[str]) -> ImageResult:
+        """The detections of one image (Detections, or postprocess.DeviceDetections)."""
+        return cls(index=ref.index, path=ref.path, width=width, height=height, boxes_xyxy=found.boxes_xyxy,
+                   scores=found.scores, labels=found.labels, names=label_name(label_names, found.labels.tolist()),
+                   landmarks=found.landmarks)
+
+    def to_dict(self) -> dict:
+        """The image's record, as detections.jsonl holds it (json.dumps takes it)."""
+        def host(a):
+            return a.cpu().numpy() if hasattr(a, "cpu") else a
+
+        found = Detections(batch_index=np.zeros(len(self.scores), np.int64), boxes_xyxy=host(self.boxes_xyxy),
+                           scores=host(self.scores), labels=host(self.labels),
+                           landmarks=None if self.landmarks is None else host(self.landmarks))
+        names = dict(zip(found.labels.tolist(), self.names))
+        label_names = [names.get(k, str(k)) for k in range(int(found.labels.max()) + 1)] if len(found.labels) else []
+        return detection_records([ImageRef(self.index, self.path)], np.array([[self.height, self.width]]), found,
+                                 label_names)[0]
+
+    def draw(self, image=None, *, min_score: float = 0.0):
+        """A PIL image of the detections drawn onto `image` (a path, a PIL image or RGB pixels;
+        default: the file at `path`), in display orientation, as the boxes are."""
+        from .draw import draw_detections
+
+        return draw_detections(self.to_dict(), image, min_score=min_score)
 
 
 def label_name(names: list[str], labels: list[int]) -> list[str]:
     """The class name of each label (its number as text where the config names no class)."""
     return [names[k] if 0 <= k < len(names) else str(k) for k in labels]
+
+
+def detection_records(refs: list[ImageRef], orig_hw: np.ndarray, detections: Detections,
+                      label_names: list[str]) -> list[dict]:
+    """One JSON-ready record per image of a batch, in batch order: what detections.jsonl holds.
+    orig_hw: int [B, 2], each image's (height, width). Columns go to Python numbers once per
+    batch (`tolist`), not element by element: this runs for every batch."""
+    order = np.argsort(detections.batch_index, kind="stable")  # grouped by image, best first within
+    starts = np.searchsorted(detections.batch_index[order], np.arange(len(refs) + 1)).tolist()
+    # 0.01 px, 1e-5 in score: np.round (k / 100 for the nearest integer k; JSON prints it short)
+    boxes = np.round(detections.boxes_xyxy[order].astype(np.float64), 2).tolist()
+    scores = np.round(detections.scores[order].astype(np.float64), 5).tolist()
+    labels = detections.labels[order].tolist()
+    names = label_name(label_names, labels)
+    landmarks = None if detections.landmarks is None else \
+        np.round(detections.landmarks[order].astype(np.float64), 2).tolist()
+    orig_hw = np.asarray(orig_hw).tolist()
+    records = []
+    for i, ref in enumerate(refs):
+        items = []
+        for row in range(starts[i], starts[i + 1]):
+            item: dict = {"box": boxes[row], "score": scores[row], "label": labels[row], "name": names[row]}
+            if landmarks is not None:
+                item["landmarks"] = landmarks[row]
+            items.append(item)
+        height, width = orig_hw[i][:2]
+        records.append({"index": ref.index, "path": ref.path, "width": width, "height": height, "detections": items})
+    return records

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from .config import Config
 from .detector import Detector
-from .results import ImageError, ImageRef
-from .sinks import OutputFolder, RunResult, detection_records
+from .results import ImageError, ImageRef, detection_records
+from .sinks import OutputFolder, RunResult
 from .source import list_images
 from .timing import StageClock, process_seconds
 

@@ -31,37 +31,9 @@ import orjson
 
 from ._version import __version__
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, OutputError, OutputWriteError
-from .results import Detections, ImageError, ImageRef, label_name
+from .results import ImageError, ImageRef
 
 RESULT_FILES = ("detections.jsonl", "errors.jsonl")
-
-
-def detection_records(refs: list[ImageRef], orig_hw: np.ndarray, detections: Detections,
-                      label_names: list[str]) -> list[dict]:
-    """One JSON-ready record per image of a batch, in batch order. orig_hw: int [B, 2], each image's
-    (height, width). Columns go to Python numbers once per batch (`tolist`), not element by
-    element: this runs for every batch."""
-    order = np.argsort(detections.batch_index, kind="stable")  # grouped by image, best first within
-    starts = np.searchsorted(detections.batch_index[order], np.arange(len(refs) + 1)).tolist()
-    # 0.01 px, 1e-5 in score: np.round (k / 100 for the nearest integer k; JSON prints it short)
-    boxes = np.round(detections.boxes_xyxy[order].astype(np.float64), 2).tolist()
-    scores = np.round(detections.scores[order].astype(np.float64), 5).tolist()
-    labels = detections.labels[order].tolist()
-    names = label_name(label_names, labels)
-    landmarks = None if detections.landmarks is None else \
-        np.round(detections.landmarks[order].astype(np.float64), 2).tolist()
-    orig_hw = orig_hw.tolist()
-    records = []
-    for i, ref in enumerate(refs):
-        items = []
-        for row in range(starts[i], starts[i + 1]):
-            item: dict[str, Any] = {"box": boxes[row], "score": scores[row], "label": labels[row], "name": names[row]}
-            if landmarks is not None:
-                item["landmarks"] = landmarks[row]
-            items.append(item)
-        height, width = orig_hw[i][:2]
-        records.append({"index": ref.index, "path": ref.path, "width": width, "height": height, "detections": items})
-    return records
 
 
 def jsonl(records: list[dict]) -> bytes:

@@ -13,9 +13,11 @@ import codecs
 import glob as globlib
 import os
 import stat
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from itertools import islice
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +43,7 @@ SIGNATURES = (
 @dataclass(frozen=True)
 class EncodedImage:
     ref: ImageRef
-    data: np.ndarray
+    data: np.ndarray = field(repr=False)
     """uint8 [num_bytes], the file's bytes."""
     pixels: int = 0
     """width x height its header declares (0: not known)."""
@@ -251,13 +253,23 @@ def read_checked(ref: ImageRef, max_pixels: int = 0, max_bytes: int = 0) -> Enco
                                                             "genuine)")
     except OSError as e:
         return ImageError(ref.index, ref.path, "unreadable", f"cannot read: {e.strerror or e}")
-    if not data:
+    return checked_bytes(EncodedImage(ref, np.frombuffer(data, dtype=np.uint8)), max_pixels)
+
+
+def checked_bytes(item: EncodedImage, max_pixels: int = 0) -> EncodedImage | ImageError:
+    """An encoded image (a file's bytes, or bytes given in memory) with the size its header
+    declares, or why it cannot be one."""
+    ref, data = item.ref, item.data
+    if not len(data):
         return ImageError(ref.index, ref.path, "empty", "file is empty (0 bytes)")
-    kind = sniff_format(data[:16])
+    head = data[:16].tobytes()
+    kind = sniff_format(head)
     if kind is None:
         return ImageError(ref.index, ref.path, "unknown_format",
                           "not a JPEG, PNG, BMP, TIFF, WebP, JPEG 2000 or PNM file (by its first bytes, not its name)")
-    size = image_size(data, kind)
+    size = image_size(data.tobytes() if kind in ("jpeg2000", "tiff") else data[:65536].tobytes(), kind)
+    if kind == "jpeg" and size is None and len(data) > 65536:  # a frame header after large metadata
+        size = image_size(data.tobytes(), kind)
     if size is None or min(size) <= 0:
         return ImageError(ref.index, ref.path, "bad_header",
                           f"{kind} header does not give a valid image size (truncated or corrupt file)")
@@ -265,34 +277,123 @@ def read_checked(ref: ImageRef, max_pixels: int = 0, max_bytes: int = 0) -> Enco
         return ImageError(ref.index, ref.path, "too_large",
                           f"{kind} declares {size[0]}x{size[1]} = {size[0] * size[1]:,} pixels, over the limit of "
                           f"{max_pixels:,} (raise preprocess.max_pixels if this image is genuine)")
-    return EncodedImage(ref, np.frombuffer(data, dtype=np.uint8), size[0] * size[1])
+    return EncodedImage(ref, data, size[0] * size[1])
 
 
-def read_all(refs: Sequence[ImageRef], max_pixels: int = 0, max_bytes: int = 0) -> list[EncodedImage | ImageError]:
-    return [read_checked(r, max_pixels, max_bytes) for r in refs]
+@dataclass(frozen=True)
+class PixelImage:
+    """An image given already decoded, RGB: uint8 [H, W, 3] on the host (numpy) or on a GPU (a
+    torch tensor, handed to DALI there without a host copy)."""
+
+    ref: ImageRef
+    data: object = field(repr=False)
+    """numpy.ndarray or torch.Tensor, uint8 [H, W, 3], contiguous."""
+    on_device: bool = False
+
+    @property
+    def pixels(self) -> int:
+        return int(self.data.shape[0]) * int(self.data.shape[1])
 
 
-def read_batches(refs: Sequence[ImageRef], *, batch_size: int, num_threads: int, max_pixels: int = 0,
-                 max_bytes: int = 0, lookahead: int = 2) -> Iterator[list[EncodedImage | ImageError]]:
+Item = ImageRef | EncodedImage | PixelImage
+"""What a stream takes: a file to read, or an image given in memory (encoded, or decoded)."""
+
+
+def as_item(value: object, index: int) -> Item | ImageError:
+    """A value a caller passed as an image: a path (str, os.PathLike), encoded bytes (bytes,
+    bytearray, memoryview, or a 1-D uint8 numpy array or CPU tensor, as torchvision.io.read_file
+    gives), a decoded RGB image (a PIL image, a numpy uint8 [H, W, 3] array, a torch uint8 tensor
+    [H, W, 3] or [3, H, W] on the CPU or a GPU). Its record's path is the path, or a label such as
+    "<array 3>"; never the data."""
+    if isinstance(value, (str, os.PathLike)):
+        return ImageRef(index, os.fspath(value))
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return EncodedImage(ImageRef(index, f"<bytes {index}>"), np.frombuffer(value, dtype=np.uint8))
+    module = type(value).__module__.split(".")[0]
+    if module == "PIL":
+        return PixelImage(ImageRef(index, f"<PIL image {index}>"), np.asarray(value.convert("RGB")))
+    if isinstance(value, np.ndarray):
+        ref = ImageRef(index, f"<array {index}>")
+        if value.dtype == np.uint8 and value.ndim == 1:
+            return EncodedImage(ref, value)
+        return _pixels(ref, value, value.ndim == 3 and value.shape[-1] == 3, on_device=False)
+    if module == "torch":
+        ref = ImageRef(index, f"<tensor {index}>")
+        if value.dtype.is_floating_point or str(value.dtype) != "torch.uint8":
+            return ImageError(index, ref.path, "bad_array", f"a {value.dtype} tensor: pass uint8 pixels (RGB) or "
+                                                            "encoded bytes")
+        if value.ndim == 1 and value.device.type == "cpu":
+            return EncodedImage(ref, value.numpy())
+        if value.ndim == 3 and value.shape[0] == 3:  # [3, H, W], as torchvision.io decodes
+            value = value.permute(1, 2, 0)
+        if value.device.type == "cpu":
+            return _pixels(ref, value.numpy(), value.ndim == 3 and value.shape[-1] == 3, on_device=False)
+        return _pixels(ref, value.contiguous(), value.ndim == 3 and value.shape[-1] == 3, on_device=True)
+    return ImageError(index, f"<{type(value).__name__} {index}>", "bad_array",
+                      f"a {type(value).__name__} is not an image: pass a path, encoded bytes, a PIL image, or uint8 "
+                      "RGB pixels as a numpy array [H, W, 3] or a torch tensor")
+
+
+def _pixels(ref: ImageRef, value, rgb: bool, *, on_device: bool) -> PixelImage | ImageError:
+    if not rgb or str(value.dtype) not in ("uint8", "torch.uint8") or 0 in value.shape:
+        return ImageError(ref.index, ref.path, "bad_array", f"{tuple(value.shape)} {value.dtype} pixels: pass uint8 "
+                                                            "RGB as [H, W, 3] (a torch tensor also [3, H, W])")
+    return PixelImage(ref, value if on_device else np.ascontiguousarray(value), on_device)
+
+
+def checked(item: Item | ImageError, max_pixels: int = 0, max_bytes: int = 0) -> EncodedImage | PixelImage | ImageError:
+    """A file read and checked, encoded bytes checked, decoded pixels checked for size (an
+    ImageError, a value that was no image, passes through)."""
+    if isinstance(item, ImageError):
+        return item
+    if isinstance(item, ImageRef):
+        return read_checked(item, max_pixels, max_bytes)
+    if isinstance(item, EncodedImage):
+        if max_bytes and len(item.data) > max_bytes:
+            return ImageError(item.ref.index, item.ref.path, "too_large", f"{len(item.data):,} bytes, over the cap "
+                                                                          f"of {max_bytes:,}")
+        return checked_bytes(item, max_pixels)
+    if max_pixels and item.pixels > max_pixels:
+        return ImageError(item.ref.index, item.ref.path, "too_large", f"{item.pixels:,} pixels, over the limit of "
+                                                                      f"{max_pixels:,}")
+    return item
+
+
+def read_all(items: Sequence[Item], max_pixels: int = 0,
+             max_bytes: int = 0) -> list[EncodedImage | PixelImage | ImageError]:
+    return [checked(item, max_pixels, max_bytes) for item in items]
+
+
+def read_batches(items: Iterable[Item], *, batch_size: int, num_threads: int, max_pixels: int = 0,
+                 max_bytes: int = 0, lookahead: int = 2) -> Iterator[list[EncodedImage | PixelImage | ImageError]]:
     """Yield batches of read-and-checked images in order, reading `lookahead` batches ahead on
     num_threads threads: one task per thread's share of a batch's consecutive files, not one per
-    file (fewer hand-offs: on a 2-core machine one thread read twice as fast this way)."""
-    chunks = [refs[i:i + batch_size] for i in range(0, len(refs), batch_size)]
+    file (fewer hand-offs: on a 2-core machine one thread read twice as fast this way). `items`
+    is consumed as the batches are read, so it may be a generator."""
+    chunks = batched(items, batch_size)
     step = -(-batch_size // max(1, num_threads))
     with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="gpudet-read") as pool:
-        def submit(chunk: Sequence[ImageRef]) -> list[Future]:
+        def submit(chunk: list[Item]) -> list[Future]:
             return [pool.submit(read_all, chunk[i:i + step], max_pixels, max_bytes)
                     for i in range(0, len(chunk), step)]
 
-        pending = [submit(chunk) for chunk in chunks[:lookahead]]
-        for next_chunk in chunks[lookahead:] + [None] * min(lookahead, len(chunks)):
-            futures = pending.pop(0)
-            if next_chunk is not None:
-                pending.append(submit(next_chunk))
+        pending: deque[list[Future]] = deque(submit(chunk) for chunk in islice(chunks, lookahead))
+        while pending:
+            futures = pending.popleft()
+            for chunk in islice(chunks, 1):
+                pending.append(submit(chunk))
             yield [item for f in futures for item in f.result()]
 
 
-def within_pixels(batch: list[EncodedImage], max_pixels: int) -> Iterator[list[EncodedImage]]:
+def batched(items: Iterable, size: int) -> Iterator[list]:
+    """Consecutive lists of `size` items (the last may be shorter), taken as they are needed."""
+    iterator = iter(items)
+    while chunk := list(islice(iterator, size)):
+        yield chunk
+
+
+def within_pixels(batch: list[EncodedImage | PixelImage], max_pixels: int
+                  ) -> Iterator[list[EncodedImage | PixelImage]]:
     """The batch in consecutive parts whose declared pixels add up to at most `max_pixels` (an
     image over it alone makes a part of one): what one DALI batch may decode is bounded. 0: the
     batch whole."""

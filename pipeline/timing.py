@@ -8,6 +8,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 _END = object()
 
@@ -60,8 +61,8 @@ def process_seconds() -> float:
     """Seconds since this process started (the command), imports included: what a user waits
     from pressing enter. Linux: from /proc; elsewhere, since this module was imported."""
     try:
-        start_ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        uptime = float(open("/proc/uptime").read().split()[0])
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
         return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return time.perf_counter() - _IMPORTED

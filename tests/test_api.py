@@ -1,9 +1,11 @@
 """The Python API: Detector.from_config / run / stream(on_device=True), and the example that uses it."""
 
+import itertools
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from pipeline import Detector, DeviceDetections, ImageError, ImageResult
@@ -47,3 +49,100 @@ def test_the_documented_example_runs():
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.count(": face ") == 3 and "3 faces on cpu" in run.stdout
+
+
+def test_images_in_memory_are_taken_as_they_are_given(tmp_path):
+    """Encoded bytes, PIL images, numpy HWC and torch CHW/HWC uint8 pixels (RGB), one bare image,
+    and a generator read as it is needed: the faces each finds are those of its file; a value that
+    is no image is an ImageError with a short label, never the data's repr."""
+    import PIL.Image
+
+    detector = Detector.from_config(device="cpu", batch_size=4)
+    hopper = SAMPLES / "grace_hopper.jpg"
+    rgb = np.asarray(PIL.Image.open(hopper).convert("RGB"))
+    (single,) = detector.run(rgb)  # one image, not an iterable of rows
+    assert single.path == "<array 0>" and len(single.scores) == 1 and (single.width, single.height) == (512, 600)
+    given = [hopper.read_bytes(), PIL.Image.open(hopper), rgb, torch.from_numpy(rgb).permute(2, 0, 1),
+             torch.from_numpy(rgb), torch.frombuffer(bytearray(hopper.read_bytes()), dtype=torch.uint8),
+             str(hopper), {"not": "an image"}, np.zeros((4, 4), np.float32)]
+    results = list(detector.run(iter(given)))
+    endless = detector.run(itertools.repeat(str(hopper)))  # a generator is read as it is needed
+    assert [len(r.scores) for r in itertools.islice(endless, 10)] == [1] * 10
+    endless.close()
+    found = {r.index: r for r in results if isinstance(r, ImageResult)}
+    assert sorted(found) == list(range(7))
+    boxes = [found[i].boxes_xyxy for i in range(7)]
+    assert all(len(b) == 1 for b in boxes)
+    assert max(np.abs(b - boxes[6]).max() for b in boxes) < 3  # decoded pixels: the file's, within a few px
+    errors = {e.index: e for e in results if isinstance(e, ImageError)}
+    assert [(i, e.reason, e.path) for i, e in sorted(errors.items())] == [
+        (7, "bad_array", "<dict 7>"), (8, "bad_array", "<array 8>")]
+    assert all(len(e.message) < 200 for e in errors.values())
+
+
+def test_thresholds_per_call_and_a_read_only_config():
+    import dataclasses
+
+    import pytest
+
+    detector = Detector.from_config(device="cpu", batch_size=8)
+    default = sum(len(r.scores) for r in detector.run(str(SAMPLES)))
+    looser = sum(len(r.scores) for r in detector.run(str(SAMPLES), score_threshold=0.3))
+    capped = [len(r.scores) for r in detector.run(str(SAMPLES), score_threshold=0.3, max_detections=1)]
+    assert looser > default == 3 and max(capped) == 1
+    assert sum(len(r.scores) for r in detector.run(str(SAMPLES))) == default  # the next run: the config's again
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        detector.config.postprocess.score_threshold = 0.1
+
+
+@cpu_and_cuda()
+def test_results_serialise_draw_and_stay_on_the_device_when_asked(tmp_path, device):
+    import json
+
+    from pipeline.cli import main
+
+    detector = Detector.from_config(device=device, batch_size=8)
+    results = list(detector.run(str(SAMPLES)))
+    assert main(["detect", str(SAMPLES), "--out", str(tmp_path / "o"), "--device", device, "--batch-size", "8",
+                 "--quiet"]) == 0
+    lines = (tmp_path / "o" / "detections.jsonl").read_text().splitlines()
+    assert [json.loads(json.dumps(r.to_dict())) for r in results] == [json.loads(line) for line in lines]
+    drawn = next(r for r in results if len(r.scores)).draw()
+    assert drawn.size == (512, 512) and drawn.mode == "RGB"
+    on_device = list(detector.run(str(SAMPLES), on_device=True))
+    assert all(r.boxes_xyxy.device.type == device for r in on_device)
+    for a, b in zip(on_device, results):
+        assert np.allclose(a.boxes_xyxy.cpu().numpy(), b.boxes_xyxy) and a.names == b.names
+    assert json.dumps(on_device[0].to_dict()) == json.dumps(results[0].to_dict())
+
+
+def test_on_error_hears_only_of_errors(tmp_path):
+    (tmp_path / "bad.jpg").write_bytes(b"")
+    detector = Detector.from_config(device="cpu", batch_size=2)
+    heard = []
+    refs = list_images(SAMPLES) + [list_images(tmp_path)[0]]
+    list(detector.stream([type(r)(i, r.path) for i, r in enumerate(refs)], heard.append))
+    assert [[e.reason for e in errors] for errors in heard] == [["empty"]]
+
+
+def test_the_readme_python_example_runs_as_written():
+    """The README's Python API block, run as a script from the repository's root."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    run = subprocess.run([sys.executable, "-c", block], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count("astronaut.png") >= 1
+
+
+@pytest.mark.cuda
+def test_cuda_tensors_go_to_dali_on_the_device():
+    """uint8 pixels already on the GPU (torch, [3, H, W] as torchvision decodes them): the faces of
+    the same pixels given on the host."""
+    import PIL.Image
+
+    detector = Detector.from_config(device="cuda", batch_size=4)
+    rgb = np.asarray(PIL.Image.open(SAMPLES / "grace_hopper.jpg").convert("RGB"))
+    on_gpu = torch.from_numpy(rgb).permute(2, 0, 1).cuda()
+    host, device = list(detector.run([rgb, rgb])), list(detector.run([on_gpu, on_gpu]))
+    assert [len(r.scores) for r in device] == [len(r.scores) for r in host] == [1, 1]
+    assert np.abs(device[0].boxes_xyxy - host[0].boxes_xyxy).max() < 1

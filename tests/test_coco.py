@@ -1,6 +1,8 @@
 """COCO export and evaluation on a small labelled set made here, and drawing."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -108,3 +110,39 @@ def test_log_json_and_quiet(tmp_path, capsys):
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
     finished = next(e for e in lines if e["message"] == "run finished")
     assert finished["level"] == "INFO" and finished["summary"]["processed"] == 6
+
+
+def test_draw_from_another_folder_with_root_skips_a_deleted_image_and_reports_it(tmp_path):
+    """Records with relative paths (detect run in the samples' parent), drawn from elsewhere with
+    --root; an image deleted since the run is skipped and named, the others drawn (exit 3)."""
+    import shutil
+
+    work = tmp_path / "work"
+    shutil.copytree(SAMPLES, work / "photos")
+    run = subprocess.run([sys.executable, "-m", "pipeline", "detect", "photos", "--out", "out", "--device", "cpu",
+                          "--quiet"], cwd=work, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    (work / "photos" / "china.jpg").unlink()
+    draw = [sys.executable, "-m", "pipeline", "draw", str(work / "out" / "detections.jsonl"), "--out",
+            str(tmp_path / "vis"), "--format", "png"]
+    without_root = subprocess.run(draw, cwd=tmp_path, capture_output=True, text=True)
+    assert without_root.returncode == 3 and "Traceback" not in without_root.stderr
+    assert "photos/astronaut.png" in without_root.stderr and "--root" in without_root.stdout
+    drawn = subprocess.run(draw + ["--root", str(work)], cwd=tmp_path, capture_output=True, text=True)
+    assert drawn.returncode == 3 and "5 images drawn" in drawn.stdout, drawn.stderr
+    assert "china.jpg" in drawn.stderr and sorted(p.suffix for p in (tmp_path / "vis").iterdir()) == [".png"] * 5
+
+
+def test_a_label_at_the_top_edge_stays_in_the_image_and_scales_with_it():
+    from PIL import Image
+
+    from pipeline.draw import draw_detections
+
+    big = Image.new("RGB", (3000, 2000), (255, 255, 255))
+    record = {"path": "", "detections": [{"box": [100, 0, 900, 600], "score": 0.97, "label": 0, "name": "face"}]}
+    pixels = np.asarray(draw_detections(record, big))
+    label = np.argwhere((pixels != 255).any(axis=2) & (pixels[..., 0] > 200) & (pixels[..., 1] < 100))
+    top, bottom = label[:, 0].min(), label[:, 0].max()
+    assert top == 0  # inside the image, from its top edge, not above it
+    text_rows = np.argwhere((pixels[:120, 100:900] == 0).all(axis=2))[:, 0]  # black text on the red label
+    assert text_rows.max() - text_rows.min() > 30  # a 3,000 px image gets text ~40 px high, not 10

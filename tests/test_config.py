@@ -11,7 +11,7 @@ def write(tmp_path, text):
 
 def test_default_config_is_the_embedded_retinaface():
     config = load_config()
-    assert config.model.labels == ["face"] and config.preprocess.channel_order == "BGR"
+    assert config.model.labels == ("face",) and config.preprocess.channel_order == "BGR"
     assert resolve_model_path(config).name == "retinaface_mnet025_heads_640_fp16_nhwc.onnx"  # a GPU's
     assert resolve_model_path(config, on_cpu=True).name == "retinaface_mnet025.onnx"  # the CPU's: float32
     given = load_config(None, ["model.path=mine.onnx", "model.cpu_path=null"])  # what --model sets
@@ -43,7 +43,7 @@ def test_bad_config_names_the_key(tmp_path, text, key):
 def test_set_overrides_any_key_with_types_checked(tmp_path):
     config = load_config(None, ["postprocess.score_threshold=0.5", "run.batch_size=4", "preprocess.size=[320, 480]"])
     assert config.postprocess.score_threshold == 0.5 and config.run.batch_size == 4
-    assert config.preprocess.size == [320, 480]
+    assert config.preprocess.size == (320, 480)
     with pytest.raises(ConfigError, match="run.nope"):
         load_config(None, ["run.nope=1"])
     with pytest.raises(ConfigError, match="section.key=value"):

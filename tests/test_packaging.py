@@ -83,3 +83,48 @@ def test_a_clean_venv_installs_the_package_with_its_dependencies(installed, tmp_
                           "--quiet"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["detections"] == 3
+
+
+def test_the_build_backend_takes_the_license_field():
+    """`license = "MIT"` (an SPDX string) needs setuptools >= 77; an older one fails `pip wheel
+    --no-build-isolation`. The build requirement says so."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    (setuptools,) = [Requirement(r) for r in project["build-system"]["requires"] if r.startswith("setuptools")]
+    assert isinstance(project["project"]["license"], str)
+    assert not setuptools.specifier.contains(Version("76.9")) and setuptools.specifier.contains(Version("77.0"))
+
+
+def test_another_torch_makes_the_environment_stale(tmp_path):
+    """`make TORCH=... demo` reinstalls when TORCH changed since .venv was made, not only when
+    pyproject.toml or the Makefile did."""
+    venv = tmp_path / "venv"
+
+    def torch_stamp(torch: str) -> float:
+        subprocess.run(["make", "-s", "-C", str(ROOT), f"VENV={venv}", f"TORCH={torch}", f"{venv}/.torch"], check=True)
+        return (venv / ".torch").stat().st_mtime_ns
+
+    first = torch_stamp("torch==2.14.1")
+    (venv / ".installed").touch()  # installed after it
+    assert torch_stamp("torch==2.14.1") == first  # the same TORCH: the environment stays as it is
+    assert torch_stamp("torch==2.11.0") > first and (venv / ".torch").read_text() == "torch==2.11.0\n"
+    assert (venv / ".torch").stat().st_mtime_ns > (venv / ".installed").stat().st_mtime_ns
+    dry = subprocess.run(["make", "-n", "-C", str(ROOT), f"VENV={venv}", "TORCH=torch==2.11.0", f"{venv}/.installed"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "pip install -q torch==2.11.0" in dry
+
+
+def test_eval_without_its_extra_says_what_to_install(tmp_path):
+    code = ("import sys; sys.modules['faster_coco_eval'] = None\n"
+            "from pipeline.cli import main\n"
+            f"sys.exit(main(['eval', {str(tmp_path / 'd.jsonl')!r}, '--annotations', {str(tmp_path / 'a.json')!r}]))")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"index": 0, "path": "x/a.jpg", "detections": [
+        {"box": [0, 0, 1, 1], "score": 0.9, "label": 0, "name": "face"}]}) + "\n")
+    (tmp_path / "a.json").write_text(json.dumps({"images": [{"id": 1, "file_name": "a.jpg"}], "annotations": [],
+                                                 "categories": [{"id": 1, "name": "face"}]}))
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 2 and "pip install 'gpudet[eval]'" in run.stderr and "Traceback" not in run.stderr
