@@ -32,7 +32,7 @@ from .postprocess import (DeviceDetections, EndToEnd, PackedDetections, RetinaNe
                           image_meta)
 from .preprocess import PreprocessedBatch, Preprocessor, preprocess_stream
 from .results import Detections, ImageError, ImageRef, ImageResult
-from .source import EncodedImage, Item, PixelImage, as_item, list_images, read_batches, within_pixels
+from .source import FLUSH, EncodedImage, Item, PixelImage, as_item, batched, list_images, read_chunks, within_pixels
 from .timing import StageClock
 
 log = logging.getLogger("gpudet")
@@ -130,14 +130,23 @@ class Detector:
                clock: StageClock | None = None, on_device: bool = False, thresholds: Thresholds | None = None
                ) -> Iterator[tuple[PreprocessedBatch, Detections | DeviceDetections]]:
         """The data path over `items` (files to read: ImageRef; images in memory: source.as_item),
-        taken as they are needed: yields each batch with its detections, in submission order (a
-        batch retried after a decode failure comes back in parts). Every image ends either in a
-        yielded batch or in `on_error`, exactly once. on_device=True yields DeviceDetections (torch
-        tensors on the device, no host copy); they are the caller's to keep. thresholds: what the
-        postprocess keeps in this stream (default: the config's).
+        taken as they are needed, in batches of batch_size: yields each batch with its detections,
+        in submission order (a batch retried after a decode failure comes back in parts). Every
+        image ends either in a yielded batch or in `on_error`, exactly once. on_device=True yields
+        DeviceDetections (torch tensors on the device, no host copy); they are the caller's to
+        keep. thresholds: what the postprocess keeps in this stream (default: the config's).
 
         One stream at a time per detector (its DALI pipeline and output buffers serve one): a
         second, started before the first is finished or closed, raises."""
+        return self.stream_batches(batches=batched(items, self.batch_size), on_error=on_error, clock=clock,
+                                   on_device=on_device, thresholds=thresholds)
+
+    def stream_batches(self, batches: Iterable[list[Item]], on_error: Callable[[list[ImageError]], None], *,
+                       clock: StageClock | None = None, on_device: bool = False,
+                       thresholds: Thresholds | None = None
+                       ) -> Iterator[tuple[PreprocessedBatch, Detections | DeviceDetections]]:
+        """`stream` over batches the caller forms (each at most batch_size), each going through as
+        it comes, none waiting to be filled: for a stream fed by requests (the Ray actor's)."""
         if self._streaming:
             raise RuntimeError("this Detector is already running a stream (a run() or stream() not yet finished): "
                                "finish or close that one first, or build a second Detector")
@@ -145,27 +154,31 @@ class Detector:
         try:
             keep = thresholds or self.thresholds
             self.engine.submit(self.engine.bind_scalars, dataclasses.asdict(keep)).result()  # a model that takes them
-            yield from self._stream(items, on_error, clock or StageClock(), on_device, keep)
+            yield from self._stream(batches, on_error, clock or StageClock(), on_device, keep)
         finally:
             self._streaming = False
 
-    def _stream(self, items: Iterable[Item], on_error: Callable[[list[ImageError]], None], clock: StageClock,
+    def _stream(self, batches: Iterable[list[Item]], on_error: Callable[[list[ImageError]], None], clock: StageClock,
                 on_device: bool, thresholds: Thresholds) -> Iterator[tuple[PreprocessedBatch, Detections | DeviceDetections]]:
         # On a GPU three threads overlap: this one feeds DALI and hands finished batches to the
         # caller; the engine's thread runs the model (ORT releases the GIL for the whole run); the
         # postprocess thread decodes, NMS's and copies the final rows to the host. The engine fills
         # `depth` sets of output buffers (slots) in turn; before it writes a slot again it waits for
         # the postprocess still reading it. On the CPU each step runs inline, in order.
-        depth = self.engine.slots
+        depth, count = self.engine.slots, 0
         pending: deque[tuple[PreprocessedBatch, Future]] = deque()  # past DALI, oldest first
         reading: dict[int, Future] = {}  # slot -> the postprocess reading its buffers
-        files = clock.timed(read_batches(items, batch_size=self.batch_size, num_threads=self.num_threads,
-                                         max_pixels=self.max_pixels, max_bytes=self.max_file_bytes), "read")
+        files = clock.timed(read_chunks(batches, batch_size=self.batch_size, num_threads=self.num_threads,
+                                        max_pixels=self.max_pixels, max_bytes=self.max_file_bytes), "read")
         batches = clock.timed(self._preprocessed(readable(files, on_error, self.max_batch_pixels), on_error),
                               "preprocess")
         with self._threads() as (engine, post):
-            for i, batch in enumerate(batches):  # source: files read ahead, checked -> preprocess: DALI
-                slot = i % depth
+            for batch in batches:  # source: files read ahead, checked -> preprocess: DALI
+                if batch is FLUSH:  # nothing more for now (a stream fed by requests): every batch on
+                    while pending:
+                        yield finished(*pending.popleft(), clock)
+                    continue
+                slot, count = count % depth, count + 1
                 ran = engine.submit(self._model, batch, slot, reading.get(slot), clock)  # engine: ORT on DALI's buffer
                 reading[slot] = post.submit(self._postprocess, batch, ran, on_device, thresholds, clock)  # -> host
                 pending.append((batch, reading[slot]))
@@ -189,8 +202,16 @@ class Detector:
     def _preprocessed(self, batches: Iterable[list[EncodedImage | PixelImage]],
                       on_error: Callable[[list[ImageError]], None]) -> Iterator[PreprocessedBatch]:
         """Each batch through DALI, run.prefetch_batches in flight: files and encoded bytes through
-        the decoding pipeline, decoded pixels through one of their own (built when first needed)."""
-        for source, group in groupby(batches, key=source_of):
+        the decoding pipeline, decoded pixels through one of their own (built when first needed). A
+        FLUSH goes through the pipeline of the batches before it."""
+        last = "encoded"
+
+        def kind_of(batch) -> str:
+            nonlocal last
+            last = last if batch is FLUSH else source_of(batch)
+            return last
+
+        for source, group in groupby(batches, key=kind_of):
             if source not in self._preprocessors:
                 self._preprocessors[source] = self.preprocessor.for_source(source)
             yield from preprocess_stream(self._preprocessors[source], group, on_error, depth=self.prefetch_batches)
@@ -286,6 +307,9 @@ def readable(batches: Iterable[list[EncodedImage | PixelImage | ImageError]],
     encoded bytes, or decoded pixels) that decode to at most max_batch_pixels; the others go to
     on_error."""
     for items in batches:
+        if items is FLUSH:
+            yield FLUSH
+            continue
         errors = [i for i in items if isinstance(i, ImageError)]
         if errors:
             on_error(errors)

@@ -1,52 +1,124 @@
-"""A cluster through Ray Data: the image list as a dataset, an actor pool of detectors.
+"""A cluster through Ray Data: the images as a dataset, an actor pool of detectors that write
+their own results.
 
-    ray.data.from_items([{index, path}, ...])                 the images not yet recorded
-      .map_batches(DetectActor, concurrency=N, num_gpus=1)    each actor: one Detector (DALI + ORT)
-      -> the driver streams each returned record into detections.jsonl / errors.jsonl
+    ray.data.from_items([{index, path}, ...])           the images not yet recorded
+      .map_batches(DetectActor, concurrency=N, ...)      each actor: one Detector whose pipeline
+                                                         stays full across Ray's batches, writing
+                                                         its records into out/shards/ray-<id>/
+      -> the driver: one small row per image back (progress), then the shards merged into the
+         output folder by image index, as --devices merges its workers'
 
-Records come back to the driver (a few hundred bytes an image) and are written there, so the
-output files, --resume and "each image exactly once" work as for one process: the driver drops a
-record whose index it has already written (Ray may rerun a batch after an actor fails).
+The driver holds the images' paths, never their results. Ray may run a batch again after an
+actor fails: the merge keeps each image once, and --resume reads the shards a killed run left.
 Workers need gpudet installed (the same version) and the images at the same paths.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
+import os
+import queue
+import re
+import shutil
+import sys
+import threading
 import time
+import uuid
+from concurrent.futures import Future
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 
-from .config import Config
-from .errors import ConfigError
+from .config import Config, resolve_model_path
+from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, ConfigError, GpudetError, catch_signals
 from .results import ImageError, ImageRef, detection_records
 from .sinks import OutputFolder, RunResult
-from .source import list_images
+from .source import FLUSH, list_images
+
+log = logging.getLogger("gpudet")
+SHARD_PREFIX = "ray-"
 
 
 class DetectActor:
-    """One Detector per Ray actor; a call takes a batch of {index, path} and returns JSON records."""
+    """One per Ray actor: a Detector streaming every batch Ray hands this actor, in one long-lived
+    stream on a thread of its own (DALI and the engine stay full across Ray's batches while Ray
+    keeps several in flight: `__call__` is async). Records go to the actor's own shard of the
+    output folder; Ray gets back one row per image: its index, whether it was processed, its
+    detections."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, shards: str):
         from .detector import Detector
 
         self.detector = Detector.from_config(config)
-        self.labels = config.model.labels
+        self.shard = OutputFolder(Path(shards) / f"{SHARD_PREFIX}{uuid.uuid4().hex[:12]}", resume=True)
+        self.requests: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._serve, name="gpudet-ray-stream", daemon=True)
+        self.thread.start()
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         refs = [ImageRef(int(i), str(p)) for i, p in zip(batch["index"], batch["path"], strict=True)]
-        kinds, records, errors = [], [], []
-        for preprocessed, found in self.detector.stream(refs, errors.extend):
-            for record in detection_records(preprocessed.refs, preprocessed.orig_hw, found, self.labels):
-                kinds.append("detection")
-                records.append(json.dumps(record, ensure_ascii=False))
-        for error in errors:
-            kinds.append("error")
-            records.append(json.dumps(error.to_record(), ensure_ascii=False))
-        return {"kind": np.array(kinds, dtype=object), "record": np.array(records, dtype=object)}
+        done: Future = Future()
+        self.requests.put((refs, done))
+        rows = await asyncio.wrap_future(done)
+        return {name: np.array(values) for name, values in zip(("index", "processed", "detections"), zip(*rows))}
+
+    def _serve(self) -> None:
+        """The stream over every request's images, in arrival order, each request one batch (Ray's
+        batch size is the detector's), writing as batches finish and answering each request once
+        all its images are recorded."""
+        waiting: dict[int, tuple[Future, list]] = {}  # image index -> (its request's future, that request's rows)
+        left: dict[int, int] = {}  # id(future) -> images of the request not yet recorded
+
+        def batches():
+            while True:
+                try:
+                    refs, done = self.requests.get(timeout=0.05)
+                except queue.Empty:  # none waiting: every batch in the pipeline goes on to its request
+                    yield FLUSH
+                    continue
+                rows: list = []
+                left[id(done)] = len(refs)
+                waiting.update((ref.index, (done, rows)) for ref in refs)
+                yield refs
+
+        def recorded(index: int, processed: bool, detections: int) -> None:
+            done, rows = waiting.pop(index)
+            rows.append((index, processed, detections))
+            left[id(done)] -= 1
+            if not left[id(done)]:
+                del left[id(done)]
+                done.set_result(rows)
+
+        def failed(errors: list[ImageError]) -> None:
+            self.shard.fail(errors)
+            for error in errors:
+                recorded(error.index, False, 0)
+
+        try:
+            with self.shard.writing():
+                for batch, found in self.detector.stream_batches(batches(), failed):
+                    records = detection_records(batch.refs, batch.orig_hw, found, self.detector.labels)
+                    self.shard.record(records)
+                    for record in records:
+                        recorded(record["index"], True, len(record["detections"]))
+        except BaseException as e:  # the actor cannot go on: every waiting request fails with the reason
+            for done, _ in list(waiting.values()):
+                if not done.done():
+                    done.set_exception(e)
+            raise
+
+
+def check_before_starting(config: Config) -> dict:
+    """The models the actors may load (a GPU's, and the CPU's where the config names one),
+    checked on this machine before any actor starts, so that a bad one fails here in one line,
+    not in every actor: the summary of the one a GPU actor loads."""
+    from .modelinfo import model_summary
+
+    on_cpu = model_summary(resolve_model_path(config, on_cpu=True))
+    return on_cpu if config.run.device == "cpu" else model_summary(resolve_model_path(config))
 
 
 def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str | None = None, workers: int = 2,
@@ -58,48 +130,111 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
         import ray
     except ImportError:
         raise ConfigError("--ray needs Ray Data: pip install 'gpudet[ray]' (or 'ray[data]')") from None
+    model = check_before_starting(config)
     with OutputFolder(out_dir, resume=resume, overwrite=overwrite) as folder:
-        return _run_on_ray(ray, folder, source, config, address=address, workers=workers,
-                           gpus_per_worker=gpus_per_worker, root=root, progress=progress)
+        started_at, started = datetime.now(timezone.utc), time.perf_counter()
+        shards = folder.path / "shards"
+        refs = list_images(source, root=root)
+        if overwrite:
+            for shard in shards.glob(f"{SHARD_PREFIX}*") if shards.is_dir() else []:
+                shutil.rmtree(shard)
+        todo = folder.begin(refs, also=sorted(shards.glob(f"{SHARD_PREFIX}*/*.jsonl")) if shards.is_dir() else [])
+        if overwrite:
+            for path in folder.files:
+                path.unlink(missing_ok=True)
+        started_here, failure = not ray.is_initialized(), None
+        with ray_messages():
+            start_ray(ray, address, workers)
+            try:
+                gpus = gpus_per_worker
+                if gpus is None:  # one GPU per actor where the cluster has GPUs and the config allows
+                    gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 and config.run.device != "cpu" else 0.0
+                try:
+                    stream(ray, todo, config, shards, workers, gpus, progress)
+                except KeyboardInterrupt:  # what the actors wrote stays in their shards; --resume goes on
+                    folder.tally.interrupted = True
+                except ray.exceptions.RayError as e:  # Ray gave up (an actor kept failing, the cluster went)
+                    failure = " ".join(str(e).split())[:500]
+            finally:
+                if started_here:
+                    ray.shutdown()
+        owned = {r.index for r in todo}
+        folder.merge(sorted(shards.glob(f"{SHARD_PREFIX}*")) if shards.is_dir() else [],
+                     lambda name, record: folder.tally.count(name, record) if record["index"] in owned else None)
+        elapsed = time.perf_counter() - started
+        missing = len(todo) - folder.tally.processed - folder.tally.failed
+        summary = folder.write_summary(
+            source=str(source), images=len(refs), todo=len(todo), device=f"ray ({workers} actors)",
+            seconds={"total": elapsed}, loop_seconds=elapsed, started=started_at, model=model,
+            config=config.to_dict(),
+            extra={"ray": address or "local", "actors": workers, "gpus_per_actor": gpus, "not_recorded": missing})
+    if folder.tally.interrupted:
+        return RunResult(summary, EXIT_INTERRUPTED)
+    if failure or missing:
+        raise RayJobError(f"the Ray job ended with {missing} images not recorded ({failure or 'see the Ray log'}); "
+                          "what the actors wrote is kept: run again with --resume")
+    return RunResult(summary, folder.tally.exit_code)
 
 
-def _run_on_ray(ray, folder: OutputFolder, source: str, config: Config, *, address: str | None, workers: int,
-                gpus_per_worker: float | None, root: str | None, progress: bool | None) -> RunResult:
-    started_at, started = datetime.now(timezone.utc), time.perf_counter()
-    refs = list_images(source, root=root)
-    todo = folder.begin(refs)
-    started_here = not ray.is_initialized()
-    ray.init(address=address, ignore_reinit_error=True, include_dashboard=False, log_to_driver=False,
-             logging_level=logging.WARNING, **({} if address else {"num_cpus": max(4, 2 * workers)}))
-    context = ray.data.DataContext.get_current()
-    context.enable_progress_bars = False  # gpudet shows its own
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
-    if gpus_per_worker is None:  # one GPU per actor where the cluster has GPUs and the config allows
-        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-        gpus_per_worker = 1.0 if has_gpus and config.run.device != "cpu" else 0.0
-    dataset = ray.data.from_items([{"index": r.index, "path": r.path} for r in todo])
-    detected = dataset.map_batches(DetectActor, fn_constructor_kwargs={"config": config},
-                                   batch_size=config.run.batch_size, compute=ray.data.ActorPoolStrategy(size=workers),
-                                   num_gpus=gpus_per_worker, num_cpus=1, batch_format="numpy")
-    seen: set[int] = set()
+class RayJobError(GpudetError):
+    """The Ray job did not record every image; --resume continues it."""
+
+    exit_code = EXIT_INTERNAL
+
+
+def stream(ray, todo: list[ImageRef], config: Config, shards: Path, workers: int, gpus: float,
+           progress: bool | None) -> None:
+    """The actor pool over `todo`, waiting for every image's row (the progress bar counts them)."""
     from tqdm import tqdm
 
-    with folder.writing(), tqdm(total=len(todo), unit="img", disable=not progress, dynamic_ncols=True) as bar:
-        for batch in detected.iter_batches(batch_size=None, batch_format="numpy"):
-            rows = [(kind, json.loads(text)) for kind, text in zip(batch["kind"], batch["record"], strict=True)]
-            fresh = [(kind, r) for kind, r in rows if r["index"] not in seen]
-            seen.update(r["index"] for _, r in fresh)
-            folder.record([r for kind, r in fresh if kind == "detection"])
-            folder.fail([ImageError(**r) for kind, r in fresh if kind == "error"])
-            bar.update(len(fresh))
-    if started_here:
-        ray.shutdown()
-    elapsed = time.perf_counter() - started
-    summary = folder.write_summary(
-        source=str(source), images=len(refs), todo=len(todo), device=f"ray ({workers} actors)",
-        seconds={"total": elapsed}, loop_seconds=elapsed, started=started_at, config=config.to_dict(),
-        extra={"ray": address or "local", "actors": workers, "gpus_per_actor": gpus_per_worker})
-    missing = len(todo) - len(seen)
-    if missing:
-        raise RuntimeError(f"Ray returned no record for {missing} images; run again with --resume")
-    return RunResult(summary, folder.tally.exit_code)
+    dataset = ray.data.from_items([{"index": r.index, "path": r.path} for r in todo])
+    detected = dataset.map_batches(DetectActor, fn_constructor_kwargs={"config": config, "shards": str(shards)},
+                                   batch_size=config.run.batch_size, compute=ray.data.ActorPoolStrategy(size=workers),
+                                   num_gpus=gpus, num_cpus=1, batch_format="numpy")
+    with tqdm(total=len(todo), unit="img", disable=not progress, dynamic_ncols=True) as bar:
+        for rows in detected.iter_batches(batch_size=None, batch_format="numpy"):
+            bar.update(len(rows["index"]))
+
+
+@contextmanager
+def ray_messages():
+    """Ray's own messages through gpudet's log, so that --quiet and --log-json hold for them too:
+    whatever Ray writes to this process's stderr (its Python loggers, the core worker's C++ log
+    lines) is read from a pipe and logged line by line as gpudet's warnings; gpudet's handler
+    writes to the real stderr meanwhile."""
+    gpudet = logging.getLogger("gpudet")
+    real = os.dup(2)
+    handler = logging.StreamHandler(os.fdopen(os.dup(real), "w", buffering=1))
+    handler.setFormatter(gpudet.handlers[0].formatter if gpudet.handlers else logging.Formatter())
+    handlers = gpudet.handlers[:]
+    gpudet.handlers[:] = [handler]
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+
+    def forward() -> None:
+        with os.fdopen(read, "r", errors="replace") as lines:
+            for line in lines:
+                if line.strip():  # Ray's INFO lines (Python's, and the C++ "I" ones) as gpudet's debug
+                    info = "\tINFO " in line or re.match(r"\[[^]]* I \d+ \d+\]", line)
+                    gpudet.log(logging.DEBUG if info else logging.WARNING, "ray: %s", line.rstrip())
+
+    reader = threading.Thread(target=forward, name="gpudet-ray-stderr", daemon=True)
+    reader.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(real, 2)  # the pipe's last writer in this process is gone: the reader ends
+        os.close(real)
+        reader.join(timeout=5)
+        gpudet.handlers[:] = handlers
+        handler.close()
+
+
+def start_ray(ray, address: str | None, workers: int) -> None:
+    """ray.init, with Ctrl-C and SIGTERM left to gpudet (ray.init installs handlers of its own)."""
+    ray.init(address=address, ignore_reinit_error=True, include_dashboard=False, log_to_driver=False,
+             configure_logging=False, **({} if address else {"num_cpus": max(4, 2 * workers)}))
+    ray.data.DataContext.get_current().enable_progress_bars = False  # gpudet shows its own
+    catch_signals()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
 from collections import Counter
@@ -26,6 +27,21 @@ def declared_io(model_path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
     session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
     return ([TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_inputs()],
             [TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_outputs()])
+
+
+def model_summary(path: Path) -> dict:
+    """What summary.json says of a model, read without running it: path, sha256, contract, inputs,
+    outputs. A model gpudet cannot use raises ModelError (unreadable, external data outside its
+    folder, no contract)."""
+    check_external_data(path)
+    try:
+        inputs, outputs = declared_io(path)
+    except Exception as e:  # ORT raises several types for unreadable or invalid models
+        raise ModelError(f"{path}: ONNX Runtime cannot load it: {e}") from None
+    find_image_input(inputs, path)
+    return {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "contract": detect_contract(outputs, "auto", path), "inputs": [s.describe() for s in inputs],
+            "outputs": [s.describe() for s in outputs]}
 
 
 def cuda_placement(model_path: Path, size_hw: tuple[int, int] | None, *, device_index: int = 0,

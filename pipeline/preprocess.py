@@ -32,7 +32,9 @@ from nvidia.dali import fn, pipeline_def, types
 from .device import Device
 from .errors import GpudetError
 from .results import ImageError, ImageRef
-from .source import EncodedImage, PixelImage
+from .source import FLUSH, EncodedImage, PixelImage
+
+_END = object()
 
 # Share of each batch's JPEGs given to the hardware JPEG decoder (A100, H100, H200); nvJPEG decodes
 # the rest on the SMs. DALI's default is 0.65; 0.9 decoded faster on the H200 (docs/BENCHMARKS.md).
@@ -263,20 +265,28 @@ def preprocess_stream(preprocessor: Preprocessor, batches: Iterable[list[Encoded
     reported as decode_failed. Every good image comes out exactly once.
 
     A consumer that stops early leaves no batch in DALI: those in flight are taken and dropped
-    here (the preprocessor's next stream would otherwise get them first).
+    here (the preprocessor's next stream would otherwise get them first). A FLUSH batch (source.py)
+    is handed on once every batch before it is out of DALI.
     """
     retry: deque[list[EncodedImage]] = deque()
     source = iter(batches)
+    draining = False  # a FLUSH came: every batch in flight first, then the mark
     try:
         while True:
-            while len(preprocessor.in_flight) < depth:
-                batch = retry.popleft() if retry else next(source, None)
-                if batch is None:
+            while not draining and len(preprocessor.in_flight) < depth:
+                batch = retry.popleft() if retry else next(source, _END)
+                if batch is _END:
                     break
-                if batch:
+                if batch is FLUSH:
+                    draining = True
+                elif batch:
                     preprocessor.submit(batch)
             if not preprocessor.in_flight:
-                return
+                if not draining:
+                    return
+                draining = False
+                yield FLUSH
+                continue
             try:
                 yield preprocessor.result()
             except PreprocessFailure as failure:

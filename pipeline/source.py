@@ -367,22 +367,42 @@ def read_all(items: Sequence[Item], max_pixels: int = 0,
 def read_batches(items: Iterable[Item], *, batch_size: int, num_threads: int, max_pixels: int = 0,
                  max_bytes: int = 0, lookahead: int = 2) -> Iterator[list[EncodedImage | PixelImage | ImageError]]:
     """Yield batches of read-and-checked images in order, reading `lookahead` batches ahead on
-    num_threads threads: one task per thread's share of a batch's consecutive files, not one per
-    file (fewer hand-offs: on a 2-core machine one thread read twice as fast this way). `items`
-    is consumed as the batches are read, so it may be a generator."""
-    chunks = batched(items, batch_size)
+    num_threads threads. `items` is consumed as the batches are read, so it may be a generator."""
+    return read_chunks(batched(items, batch_size), batch_size=batch_size, num_threads=num_threads,
+                       max_pixels=max_pixels, max_bytes=max_bytes, lookahead=lookahead)
+
+
+FLUSH = None
+"""A batch that says: nothing more for now. A stream fed by requests (the Ray actor's) sends it
+when none is waiting; each stage hands on what it holds, then the mark."""
+
+
+def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_threads: int, max_pixels: int = 0,
+                max_bytes: int = 0, lookahead: int = 2) -> Iterator[list[EncodedImage | PixelImage | ImageError] | None]:
+    """read_batches over batches the caller formed (each at most batch_size, or FLUSH), each as
+    it comes. One task per thread's share of a batch's consecutive files, not one per file
+    (fewer hand-offs: on a 2-core machine one thread read twice as fast this way)."""
     step = -(-batch_size // max(1, num_threads))
     with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="gpudet-read") as pool:
         def submit(chunk: list[Item]) -> list[Future]:
             return [pool.submit(read_all, chunk[i:i + step], max_pixels, max_bytes)
                     for i in range(0, len(chunk), step)]
 
-        pending: deque[list[Future]] = deque(submit(chunk) for chunk in islice(chunks, lookahead))
+        def result(futures: list[Future]) -> list[EncodedImage | PixelImage | ImageError]:
+            return [item for f in futures for item in f.result()]
+
+        pending: deque[list[Future]] = deque()  # read ahead, oldest first
+        for chunk in chunks:
+            if chunk is FLUSH:
+                while pending:
+                    yield result(pending.popleft())
+                yield FLUSH
+                continue
+            pending.append(submit(chunk))
+            if len(pending) > lookahead:
+                yield result(pending.popleft())
         while pending:
-            futures = pending.popleft()
-            for chunk in islice(chunks, 1):
-                pending.append(submit(chunk))
-            yield [item for f in futures for item in f.result()]
+            yield result(pending.popleft())
 
 
 def batched(items: Iterable, size: int) -> Iterator[list]:

@@ -1,10 +1,16 @@
 """The Ray Data runner on a local cluster with CPU actors: the single-process results, resumable."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 from pipeline.cli import main
 
-from conftest import SAMPLES, read_jsonl
+from conftest import ROOT, SAMPLES, read_jsonl
 
 
 def records(path):
@@ -30,3 +36,86 @@ def test_ray_actors_give_the_single_process_results_and_resume(tmp_path):
     assert main(["detect", str(listing), "--out", str(tmp_path / "ray"), "--ray", "--workers", "2", "--resume",
                  *common]) == 0
     assert records(tmp_path / "one" / "detections.jsonl") == records(tmp_path / "ray" / "detections.jsonl")
+
+
+def ray_run(*args, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", "detect", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_actors_write_their_own_shards_and_the_driver_summary_names_model_and_config(tmp_path):
+    run = ray_run(SAMPLES, "--out", tmp_path / "o", "--ray", "--workers", "2", "--device", "cpu", "--batch-size", "2",
+                  "--quiet", "--log-json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    for line in run.stderr.splitlines():  # --log-json: Ray's messages too, one JSON object a line
+        json.loads(line)
+    shards = sorted((tmp_path / "o" / "shards").glob("ray-*/detections.jsonl"))
+    assert shards and sum(len(read_jsonl(s)) for s in shards) == 6  # written by the actors
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["model"]["contract"] == "end_to_end" and summary["config"]["run"]["batch_size"] == 2
+    assert summary["processed"] == 6 and summary["detections"] == 3
+
+
+def test_a_bad_model_fails_before_ray_starts(tmp_path):
+    (tmp_path / "bad.onnx").write_bytes(b"not onnx")
+    run = ray_run(SAMPLES, "--out", tmp_path / "o", "--ray", "--device", "cpu", "--model", tmp_path / "bad.onnx")
+    assert run.returncode == 2 and "Traceback" not in run.stderr and len(run.stderr.splitlines()) == 1, run.stderr
+    assert "bad.onnx" in run.stderr
+
+
+def test_an_actor_killed_mid_run_loses_no_image_and_repeats_none(tmp_path):
+    """SIGKILL to an actor after it recorded some images: Ray restarts it and runs its batches
+    again (or, should Ray give up, --resume finishes): every image once in the merged files."""
+    listing = tmp_path / "list.txt"
+    photos = [p for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md"]
+    listing.write_text("".join(f"{p}\n" for p in photos * 20))
+    out = tmp_path / "o"
+    process = subprocess.Popen([sys.executable, "-m", "pipeline", "detect", str(listing), "--out", str(out), "--ray",
+                                "--workers", "2", "--device", "cpu", "--batch-size", "2", "--quiet"], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = None
+    deadline = time.monotonic() + 300
+    while killed is None and time.monotonic() < deadline and process.poll() is None:
+        recorded = sum(len(read_jsonl(p)) for p in (out / "shards").glob("ray-*/detections.jsonl")) \
+            if (out / "shards").is_dir() else 0
+        actors = [p for p in Path("/proc").glob("[0-9]*") if b"MapWorker" in read_bytes(p / "cmdline")]
+        if recorded >= 10 and actors:
+            killed = int(actors[0].name)
+            os.kill(killed, signal.SIGKILL)
+        time.sleep(0.05)
+    process.communicate(timeout=600)
+    assert killed, "no actor to kill: the run ended too soon"
+    if process.returncode != 0:  # Ray gave up on the batches: what the shards hold stays, --resume does the rest
+        resumed = ray_run(listing, "--out", out, "--ray", "--workers", "2", "--device", "cpu", "--batch-size", "2",
+                          "--quiet", "--resume")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    indices = sorted(r["index"] for r in read_jsonl(out / "detections.jsonl"))
+    assert indices == list(range(len(photos) * 20))
+
+
+def read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
+def test_sigterm_to_a_ray_run_is_130_with_a_summary_and_resume_finishes(tmp_path):
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"{SAMPLES / 'grace_hopper.jpg'}\n" for _ in range(400)))
+    out = tmp_path / "o"
+    process = subprocess.Popen([sys.executable, "-m", "pipeline", "detect", str(listing), "--out", str(out), "--ray",
+                                "--workers", "1", "--device", "cpu", "--batch-size", "2", "--quiet"], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not any((out / "shards").glob("ray-*/detections.jsonl")):
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["interrupted"] is True
+    finished = ray_run(listing, "--out", out, "--ray", "--workers", "1", "--device", "cpu", "--batch-size", "8",
+                       "--quiet", "--resume")
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == list(range(400))
