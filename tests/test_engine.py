@@ -181,8 +181,8 @@ def test_ssd_heads_postprocess_copies_only_the_final_detections(tmp_path):
         (batch, found), = list(detector.stream(refs, on_error=lambda errors: None))
     prof.export_chrome_trace(str(tmp_path / "trace.json"))
     copies = dtoh_copies(tmp_path / "trace.json")
-    assert detector.ssd_heads.graphs.enabled and detector.ssd_heads.graphs._graphs  # replayed as a CUDA graph
-    rows = detector.ssd_heads.reader.rows
+    assert detector.postprocess.graphs.enabled and detector.postprocess.graphs._graphs  # replayed as a CUDA graph
+    rows = detector.postprocess.reader.rows
     most = int(np.bincount(found.batch_index).max())
     block_bytes = (1 + rows) * 12 * (6 + 10) * 4
     heads_bytes = 12 * ANCHORS_640 * (4 + 2 + 10) * 4
@@ -233,7 +233,7 @@ def test_detect_with_ort_cuda_graph_finds_the_same(tmp_path):
         detector = Detector.from_config(ROOT / "configs" / "retinaface_mnet025_heads.yaml", device="cuda",
                                         batch_size=4, overrides=["postprocess.score_threshold=0.5", *overrides])
         detections = Detections.concatenate([d for _, d in detector.stream(list_images(SAMPLES) * 2, lambda e: None)])
-        assert detector.ssd_heads.graphs.enabled  # the postprocess replayed its own CUDA graphs too
+        assert detector.postprocess.graphs.enabled  # the postprocess replayed its own CUDA graphs too
         return detections
 
     a = found()

@@ -360,7 +360,7 @@ def test_heads_buffers_are_reused_and_postprocess_copies_only_the_final_detectio
     from torch.profiler import ProfilerActivity, profile
 
     detector = Detector.from_config(CONFIG, model=exported["retinanet_heads"], device="cuda")
-    assert len(detector.retinanet_heads.graphs._graphs) == 2  # captured at setup, one per output slot
+    assert len(detector.postprocess.graphs._graphs) == 2  # captured at setup, one per output slot
     engine_launch, written = detector.engine.launch, []
 
     def launch(images, slot=0, **options):  # record where ORT wrote each batch's outputs
@@ -381,7 +381,7 @@ def test_heads_buffers_are_reused_and_postprocess_copies_only_the_final_detectio
         (batch, found), = list(detector.stream(refs, on_error=lambda errors: None))
     prof.export_chrome_trace(str(tmp_path / "trace.json"))
     copies = dtoh_copies(tmp_path / "trace.json")
-    heads = detector.retinanet_heads
+    heads = detector.postprocess
     assert heads.graphs.enabled and len(heads.graphs._graphs) == 2  # one CUDA graph per output buffer set
     rows = heads.reader.rows
     block_bytes = (1 + rows) * BATCH * 6 * 4  # per image count and flag, then its rows
