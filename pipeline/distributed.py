@@ -142,7 +142,7 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
         if overwrite:
             for path in folder.files:
                 path.unlink(missing_ok=True)
-        started_here, failure = not ray.is_initialized(), None
+        started_here, failure, streaming = not ray.is_initialized(), None, 0.0
         with ray_messages():
             start_ray(ray, address, workers)
             try:
@@ -150,7 +150,7 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
                 if gpus is None:  # one GPU per actor where the cluster has GPUs and the config allows
                     gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 and config.run.device != "cpu" else 0.0
                 try:
-                    stream(ray, todo, config, shards, workers, gpus, progress)
+                    streaming = stream(ray, todo, config, shards, workers, gpus, progress)
                 except KeyboardInterrupt:  # what the actors wrote stays in their shards; --resume goes on
                     folder.tally.interrupted = True
                 except ray.exceptions.RayError as e:  # Ray gave up (an actor kept failing, the cluster went)
@@ -165,7 +165,9 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
         missing = len(todo) - folder.tally.processed - folder.tally.failed
         summary = folder.write_summary(
             source=str(source), images=len(refs), todo=len(todo), device=f"ray ({workers} actors)",
-            seconds={"total": elapsed}, loop_seconds=elapsed, started=started_at, model=model,
+            # stream: from the first image's row to the last, the rate once the actors run
+            seconds={"total": elapsed, "stream": streaming}, loop_seconds=streaming or elapsed, started=started_at,
+            model=model,
             config=config.to_dict(),
             extra={"ray": address or "local", "actors": workers, "gpus_per_actor": gpus, "not_recorded": missing})
     if folder.tally.interrupted:
@@ -183,17 +185,22 @@ class RayJobError(GpudetError):
 
 
 def stream(ray, todo: list[ImageRef], config: Config, shards: Path, workers: int, gpus: float,
-           progress: bool | None) -> None:
-    """The actor pool over `todo`, waiting for every image's row (the progress bar counts them)."""
+           progress: bool | None) -> float:
+    """The actor pool over `todo`, waiting for every image's row (the progress bar counts them).
+    Returns the seconds from the first row to the last: the rate once the actors run."""
     from tqdm import tqdm
 
     dataset = ray.data.from_items([{"index": r.index, "path": r.path} for r in todo])
     detected = dataset.map_batches(DetectActor, fn_constructor_kwargs={"config": config, "shards": str(shards)},
                                    batch_size=config.run.batch_size, compute=ray.data.ActorPoolStrategy(size=workers),
                                    num_gpus=gpus, num_cpus=1, batch_format="numpy")
+    first = last = None
     with tqdm(total=len(todo), unit="img", disable=not progress, dynamic_ncols=True) as bar:
         for rows in detected.iter_batches(batch_size=None, batch_format="numpy"):
+            last = time.perf_counter()
+            first = first or last
             bar.update(len(rows["index"]))
+    return (last - first) if first else 0.0
 
 
 @contextmanager

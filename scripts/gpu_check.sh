@@ -5,6 +5,7 @@
 #   OUT=DIR bash scripts/gpu_check.sh tests       # every test, the cuda-marked ones included
 #   OUT=DIR bash scripts/gpu_check.sh retinaface  # gpudet bench per config, then the default detect over 106,288 images
 #   OUT=DIR bash scripts/gpu_check.sh retinanet   # scripts/bench_retinanet.py at the realistic load
+#   OUT=DIR bash scripts/gpu_check.sh ray         # --ray --workers 1 against one process, 15,184 images
 #
 # BEFORE=DIR (a checkout's root) also benches that tree's configs beside this one, for before/after.
 set -uo pipefail
@@ -60,8 +61,19 @@ case "${1:-}" in
       --detections-per-image "${LOAD:-100}" 2>&1 | quiet | tee "$OUT/bench_retinanet.txt"
     cp /tmp/gpudet-rn/bench_retinanet.json "$OUT/"
     ;;
+  ray)
+    versions | tee "$OUT/versions.txt"
+    image_set
+    for _ in 1 2 3 4; do cat "$IMAGES/jpg.txt"; done > "$IMAGES/jpg_x4.txt"
+    for how in "one" "ray --ray --workers 1"; do
+      set -- $how
+      $PY -m pipeline detect "$IMAGES/jpg_x4.txt" --out "/tmp/gpudet-$1" --overwrite ${2:+"${@:2}"} 2>&1 | quiet \
+        | tee -a "$OUT/ray.txt"
+      cp "/tmp/gpudet-$1/summary.json" "$OUT/ray_$1_summary.json"
+    done
+    ;;
   *)
-    echo "usage: OUT=DIR bash scripts/gpu_check.sh tests|retinaface|retinanet" >&2
+    echo "usage: OUT=DIR bash scripts/gpu_check.sh tests|retinaface|retinanet|ray" >&2
     exit 2
     ;;
 esac
