@@ -84,7 +84,7 @@ def test_ssd_heads_on_the_device_match_the_in_graph_nms(device, score_threshold)
         return detector.contract, found
 
     contract_heads, heads = detections(ROOT / "configs" / "retinaface_mnet025_heads.yaml")
-    contract_e2e, e2e = detections(None)
+    contract_e2e, e2e = detections(ROOT / "configs" / "retinaface_mnet025_e2e.yaml")
     assert (contract_heads, contract_e2e) == ("ssd_heads", "end_to_end")
     assert len(heads.scores) == len(e2e.scores) >= 3
     order_h = np.lexsort((-heads.scores, heads.batch_index))
