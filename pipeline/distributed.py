@@ -36,10 +36,13 @@ from .config import Config, resolve_model_path
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, ConfigError, GpudetError, catch_signals
 from .results import ImageError, ImageRef, detection_records
 from .sinks import OutputFolder, RunResult
-from .source import FLUSH, list_images
+from .source import FLUSH, batched, list_images
 
 log = logging.getLogger("gpudet")
 SHARD_PREFIX = "ray-"
+RAY_BATCH = 16
+"""Detector batches per Ray batch: Ray's cost per batch (scheduling, the object store) is paid
+once per this many, while the actor's stream keeps its pipeline full across them."""
 
 
 class DetectActor:
@@ -66,9 +69,8 @@ class DetectActor:
         return {name: np.array(values) for name, values in zip(("index", "processed", "detections"), zip(*rows))}
 
     def _serve(self) -> None:
-        """The stream over every request's images, in arrival order, each request one batch (Ray's
-        batch size is the detector's), writing as batches finish and answering each request once
-        all its images are recorded."""
+        """The stream over every request's images, in arrival order, in the detector's batches,
+        writing as batches finish and answering each request once all its images are recorded."""
         waiting: dict[int, tuple[Future, list]] = {}  # image index -> (its request's future, that request's rows)
         left: dict[int, int] = {}  # id(future) -> images of the request not yet recorded
 
@@ -82,7 +84,7 @@ class DetectActor:
                 rows: list = []
                 left[id(done)] = len(refs)
                 waiting.update((ref.index, (done, rows)) for ref in refs)
-                yield refs
+                yield from batched(refs, self.detector.batch_size)
 
         def recorded(index: int, processed: bool, detections: int) -> None:
             done, rows = waiting.pop(index)
@@ -192,7 +194,8 @@ def stream(ray, todo: list[ImageRef], config: Config, shards: Path, workers: int
 
     dataset = ray.data.from_items([{"index": r.index, "path": r.path} for r in todo])
     detected = dataset.map_batches(DetectActor, fn_constructor_kwargs={"config": config, "shards": str(shards)},
-                                   batch_size=config.run.batch_size, compute=ray.data.ActorPoolStrategy(size=workers),
+                                   batch_size=config.run.batch_size * RAY_BATCH,
+                                   compute=ray.data.ActorPoolStrategy(size=workers),
                                    num_gpus=gpus, num_cpus=1, batch_format="numpy")
     first = last = None
     with tqdm(total=len(todo), unit="img", disable=not progress, dynamic_ncols=True) as bar:
