@@ -262,3 +262,15 @@ def test_fuzz_list_syntax_never_raises(tmp_path_factory, lines):
     except SourceError:
         return
     assert [r.index for r in refs] == list(range(len(refs))) and all(isinstance(r.path, str) for r in refs)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(base=st.sampled_from(["/data", "/", ".", "rel/dir", "/data/", "/a//b"]),
+       text=st.text(alphabet="ab./~ #", max_size=12).filter(lambda t: t.strip() and not t.startswith("#")))
+def test_a_listed_path_resolves_as_pathlib_would(base, text):
+    """source.resolved joins the plain names of a list (neither blank nor a comment) by hand: the
+    same string pathlib gives."""
+    from pipeline.source import resolved
+
+    item = Path(os.path.expanduser(text))  # ~user/x for a user that does not exist stays as written
+    assert resolved(str(Path(base)), text) == str(item if item.is_absolute() else Path(base) / item)  # base: a Path

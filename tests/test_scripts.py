@@ -28,3 +28,11 @@ def test_every_script_answers_help():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
     assert len(SCRIPTS) >= 4
+
+
+def test_the_benchmark_docs_are_what_the_reports_say():
+    """docs/BENCHMARKS.md's tables and the README's speed table are rendered from docs/bench/:
+    a number changed by hand there, or a report changed without rendering, fails here."""
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "render_benchmarks.py"), "--check"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr

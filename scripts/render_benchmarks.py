@@ -1,0 +1,157 @@
+"""Render docs/BENCHMARKS.md's tables and the README's speed table from the reports in docs/bench/.
+
+Each report is a file a run wrote on the GPU machine (`gpudet bench --json`, bench_retinanet.json,
+a run's summary.json), kept as it came back, with the commit of the tree that ran it ("tree").
+No number in those tables is typed by hand: change a report, run this, commit both.
+
+    python scripts/render_benchmarks.py          # rewrite the tables between the markers
+    python scripts/render_benchmarks.py --check  # exit 1 if the docs are not what the reports say
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "docs" / "bench"
+
+
+def load(name: str) -> dict:
+    return json.loads((BENCH / f"{name}.json").read_text())
+
+
+def num(value: float, digits: int = 0) -> str:
+    return f"{value:,.{digits}f}"
+
+
+def retinaface_table() -> str:
+    rows = [("the default, `retinaface_mnet025.yaml`", "retinaface_default"),
+            ("the default with `postprocess.compile=true`", "retinaface_default_compiled"),
+            ("`retinaface_mnet025_e2e.yaml` (NMS in the ONNX graph)", "retinaface_e2e"),
+            ("before: its default (the end-to-end model)", "before_retinaface_default"),
+            ("before: its fast config, `postprocess.compile=false`", "before_retinaface_heads_fp16")]
+    lines = ["| config | tree | gpudet loop img/s (each pass) | setup | ORT alone | DALI alone | naive | GPU busy |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for label, name in rows:
+        r = load(name)
+        rates, setup = r["images_per_s"], r["gpudet_setup_s"]
+        passes = ", ".join(num(p) for p in r.get("gpudet_passes_images_per_s", [rates["gpudet"]]))
+        took = f"{setup['since_start']:.1f} s from the command" if "since_start" in setup else \
+            f"{setup['detector']:.1f} s building the detector"
+        lines.append(f"| {label} | {r['tree']['commit']} | **{num(rates['gpudet'])}** ({passes}) | {took} | "
+                     f"{num(rates['model'])} | {num(rates['preprocess'])} | {num(rates.get('naive', 0), 1)} | "
+                     f"{r['gpudet_stages_s']['gpu_utilisation_percent']:.0f}% |")
+    r = load("retinaface_default")
+    lines.append("")
+    lines.append(f"3,796 JPEGs, batch 32, {r['machine']['gpus'][0]}, {r['machine']['cores']} cores; torch "
+                 f"{r['machine']['torch']}, onnxruntime {r['machine']['onnxruntime']}, DALI {r['machine']['dali']}; "
+                 f"{r['date'][:10]}. Command: `{shorten(r['command'])}` (`--config` per row; `--set` as the row "
+                 "says). The naive loop: PIL, numpy, `session.run` one image at a time, ORT's default options, "
+                 "the same model file (float16 for the default, float32 for the others), the first 300 images.")
+    return "\n".join(lines)
+
+
+def detect_table() -> str:
+    s = load("detect_106288_default")
+    seconds = s["seconds"]
+    return "\n".join([
+        "| images | wall clock from the command | of it: imports | setup | then | detections |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| {num(s['processed'])} | **{seconds['wall']:.1f} s** | {seconds['startup']:.1f} s | {seconds['setup']:.1f} s | "
+        f"{num(s['images_per_s'])} img/s | {num(s['detections'])} |",
+        "", f"`gpudet detect LIST --out DIR --overwrite` (the default config, no other option), the 3,796 JPEGs "
+        f"listed 28 times, {s['device']}, tree {s['tree']['commit']}, {s['started'][:10]}."])
+
+
+def retinanet_table() -> str:
+    r = load("retinanet_light_load")
+    lines = ["| what | img/s | detections per image on the host | setup | wall clock |", "| --- | --- | --- | --- | --- |"]
+    for name, row in r["results"].items():
+        lines.append(f"| {name} | **{num(row['images_per_s'], 1)}** | {row.get('detections_per_image', '')} | "
+                     f"{row.get('setup_s', '')}{' s' if 'setup_s' in row else ''} | "
+                     f"{row.get('wall_s', '')}{' s' if 'wall_s' in row else ''} |")
+    lines += ["", "Ratios, from this run: " + "; ".join(f"{k} **{v:.2f}x**" for k, v in r["ratios"].items()) + ".",
+              "", f"{r['images']} JPEGs, batch {r['batch_size']}, {r['size_hw'][0]}x{r['size_hw'][1]}, fp16, "
+              f"{r['machine']['gpus'][0]}, {r['machine']['cores']} cores; torch {r['machine']['torch']}, onnxruntime "
+              f"{r['machine']['onnxruntime']}, DALI {r['machine']['dali']}; tree {r['tree']['commit']}; {r['date'][:10]}. "
+              f"Command: `{shorten(r['command'])}`. The seeded load (class bias shifted by {r['class_bias_shift']}) "
+              f"asked about {r['detections_per_image_asked']} detections per image on the first 8 images; over the "
+              "2,000 it gave the counts above."]
+    before, now = load("before_retinanet_gpudet_bench"), load("retinanet_gpudet_bench")
+    lines += ["", "| `gpudet bench`, the same model file, `postprocess.compile=false` | tree | gpudet img/s (passes) | "
+              "ORT alone |", "| --- | --- | --- | --- |"]
+    for label, r in (("before", before), ("now", now)):
+        lines.append(f"| {label} | {r['tree']['commit']} | {num(r['images_per_s']['gpudet'], 1)} "
+                     f"({', '.join(num(p, 1) for p in r['gpudet_passes_images_per_s'])}) | "
+                     f"{num(r['images_per_s']['model'], 1)} |")
+    return "\n".join(lines)
+
+
+def ray_table() -> str:
+    lines = ["| run | tree | images | rate once running | wall clock |", "| --- | --- | --- | --- | --- |"]
+    for label, name in (("one process", "ray_one_process"), ("`--ray --workers 1`, Ray batches of 32", "ray_workers_1_batch32"),
+                        ("one process", "ray_one_process_2"), ("`--ray --workers 1`, Ray batches of 512", "ray_workers_1")):
+        s = load(name)
+        wall = s["seconds"].get("wall", s["seconds"]["total"])
+        lines.append(f"| {label} | {s['tree']['commit']} | {num(s['processed'])} | **{num(s['images_per_s'])}** img/s | "
+                     f"{wall:.1f} s |")
+    lines += ["", "The 3,796 JPEGs listed 4 times, the default config, a local Ray cluster on the same machine "
+              "(one GPU actor). One process: images/s after its setup; Ray: from the first image's row to the last."]
+    return "\n".join(lines)
+
+
+def speed_table() -> str:
+    default, e2e, before = load("retinaface_default"), load("retinaface_e2e"), load("before_retinaface_default")
+    detect, rn = load("detect_106288_default"), load("retinanet_light_load")
+    gpudet = rn["results"]["gpudet"]
+    return "\n".join([
+        "| what, on one H200 | gpudet | against |", "| --- | --- | --- |",
+        f"| `gpudet detect` (the default), {num(detect['processed'])} JPEGs | {detect['seconds']['wall']:.1f} s from the "
+        f"command, {num(detect['images_per_s'])} img/s once set up | |",
+        f"| RetinaFace, the default config, batch 32 | {num(default['images_per_s']['gpudet'])} img/s | "
+        f"{num(before['images_per_s']['gpudet'])} img/s the earlier default (now `retinaface_mnet025_e2e.yaml`: "
+        f"{num(e2e['images_per_s']['gpudet'])}); {default['ratios']['gpudet / naive']:.0f}x the naive loop |",
+        f"| RetinaNet R50-FPN fp16 800x800, batch 16, {gpudet['detections_per_image']} detections per image | "
+        f"{num(gpudet['images_per_s'])} img/s | {rn['ratios']['gpudet / ort alone']:.2f}x ORT alone, "
+        f"{rn['ratios']['gpudet / pytorch usual']:.1f}x the usual PyTorch pipeline, "
+        f"{rn['ratios']['gpudet / naive']:.0f}x the naive loop |"])
+
+
+def shorten(command: str) -> str:
+    return re.sub(r"--json \S+|/\S*/(?=\S+\.(txt|py))", "", command).replace("  ", " ").strip()
+
+
+SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "retinanet": retinanet_table, "ray": ray_table}
+
+
+def render(text: str, sections: dict) -> str:
+    for name, make in sections.items():
+        text = re.sub(rf"(<!-- rendered: {name} -->\n)(?:(?!<!-- ).)*?(<!-- end -->)",
+                      lambda m: m.group(1) + make() + "\n" + m.group(2), text, flags=re.S)
+    return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only check that the docs match the reports")
+    check = parser.parse_args().check
+    stale = []
+    for path, sections in ((ROOT / "docs" / "BENCHMARKS.md", SECTIONS), (ROOT / "README.md", {"speed": speed_table})):
+        text = path.read_text()
+        new = render(text, sections)
+        if new != text:
+            stale.append(path.name)
+            if not check:
+                path.write_text(new)
+    if check and stale:
+        print(f"not what docs/bench/ says: {', '.join(stale)}; run python scripts/render_benchmarks.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
