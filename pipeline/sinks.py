@@ -20,7 +20,6 @@ import os
 import socket
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -32,7 +31,7 @@ import orjson
 
 from ._version import __version__
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, OutputError, OutputWriteError
-from .results import Detections, ImageError, ImageRef, detection_records
+from .results import ImageError, ImageRef
 
 RESULT_FILES = ("detections.jsonl", "errors.jsonl")
 
@@ -168,8 +167,6 @@ class OutputFolder:
         self.resume, self.overwrite = resume, overwrite
         self.tally = Tally()
         self._writers: tuple[JsonlWriter, JsonlWriter] | None = None
-        self._writer: ThreadPoolExecutor | None = None
-        self._pending: Future | None = None
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -216,52 +213,29 @@ class OutputFolder:
 
     @contextmanager
     def writing(self) -> Iterator[OutputFolder]:
-        """The two JSONL files open for this run (appended to with --resume, else started anew), and
-        the folder's writer thread: `write` and `fail` encode and write there, in order, while the
-        caller's loop goes on feeding the pipeline."""
+        """The two JSONL files open for this run: appended to with --resume, else started anew.
+        An earlier run's summary.json goes first: a summary always describes the run that wrote it."""
+        (self.path / "summary.json").unlink(missing_ok=True)
         with JsonlWriter(self.files[0], append=self.resume) as results, \
-                JsonlWriter(self.files[1], append=self.resume) as errors, \
-                ThreadPoolExecutor(1, thread_name_prefix="gpudet-write") as writer:
-            self._writers, self._writer = (results, errors), writer
+                JsonlWriter(self.files[1], append=self.resume) as errors:
+            self._writers = (results, errors)
             try:
                 yield self
-                self._written()
             finally:
-                self._writers, self._writer = None, None
-
-    def write(self, refs: list[ImageRef], orig_hw: np.ndarray, detections: Detections, label_names) -> None:
-        """A batch's detections, encoded as records and written on the writer thread. At most one
-        batch waits for it: this returns once the batch before it is written (its error, such as a
-        full disk, is raised here)."""
-        self._written()
-        self._pending = self._writer.submit(lambda: self.record(detection_records(refs, orig_hw, detections,
-                                                                                  label_names)))
+                self._writers = None
 
     def record(self, records: list[dict]) -> None:
-        """A batch's detection records (detection_records), one write, here."""
+        """A batch's detection records (detection_records), one write."""
         self._writers[0].append(records)
         for record in records:
             self.tally.count(RESULT_FILES[0], record)
 
     def fail(self, errors: list[ImageError]) -> None:
-        """Images that could not be processed, one write (after the batches given before them)."""
-        def write() -> None:
-            records = [e.to_record() for e in errors]
-            self._writers[1].append(records)
-            for record in records:
-                self.tally.count(RESULT_FILES[1], record)
-
-        if self._writer is None:
-            write()
-        else:
-            self._written()
-            self._pending = self._writer.submit(write)
-
-    def _written(self) -> None:
-        """Wait for the writer's last batch (raising its error)."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
+        """Images that could not be processed, one write."""
+        records = [e.to_record() for e in errors]
+        self._writers[1].append(records)
+        for record in records:
+            self.tally.count(RESULT_FILES[1], record)
 
     def merge(self, shards: list[Path], count: Callable[[str, dict], None] = lambda name, record: None) -> None:
         """Rewrite this folder's JSONL files as the union, by image index, of what they held and
