@@ -38,6 +38,7 @@ def test_two_workers_give_the_single_process_results(tmp_path):
     assert by_index(tmp_path / "one" / "detections.jsonl") == by_index(tmp_path / "two" / "detections.jsonl")
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert [w["processed"] for w in summary["workers"]] == [3, 3] and summary["failed_workers"] == []
+    assert summary["model"]["contract"] == "end_to_end" and summary["config"]["run"]["device"] == "auto"
 
 
 def test_a_failing_worker_is_reported_and_resume_finishes(tmp_path, capsys):

@@ -133,11 +133,17 @@ def test_fault_injection_corpus(tmp_path, device):
 def test_header_parser_never_raises_on_garbage():
     rng = random.Random(3)
     seeds = [GRACE, (SAMPLES / "camera.png").read_bytes()[:4000], png_declaring(10, 10)]
+    outcomes = {"size": 0, "none": 0}
     for _ in range(3000):
         data = mutate(rng.choice(seeds), rng)
         kind = sniff_format(data[:16])
         if kind:
-            image_size(data, kind)  # returns a size or None; never an exception
+            size = image_size(data, kind)  # a size or None; never an exception
+            assert size is None or (len(size) == 2 and all(isinstance(v, int) and v >= 0 for v in size)), size
+            outcomes["size" if size else "none"] += 1
+    # Most mutations keep the header (a size), some break it (None): both paths were taken.
+    assert outcomes["size"] > 1000 and outcomes["none"] > 10, outcomes
+    assert image_size(GRACE, "jpeg") == (512, 600) and image_size(png_declaring(10, 10), "png") == (10, 10)
 
 
 def test_fuzz_mutated_images_never_crash_and_are_each_accounted_once():

@@ -87,6 +87,7 @@ def test_read_checked_reasons(tmp_path):
                ["empty.jpg", "text.jpg", "dir.jpg", "missing.jpg"]}
     assert {k: v.reason for k, v in reasons.items()} == {
         "empty.jpg": "empty", "text.jpg": "unknown_format", "dir.jpg": "not_a_file", "missing.jpg": "missing"}
+    assert "hello" not in reasons["text.jpg"].message  # the reason, never the file's bytes
     good = read_checked(ImageRef(3, str(SAMPLES / "china.jpg")))
     assert isinstance(good, EncodedImage) and good.data.nbytes == (SAMPLES / "china.jpg").stat().st_size
 
