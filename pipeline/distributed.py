@@ -20,7 +20,6 @@ import logging
 import os
 import queue
 import re
-import shutil
 import sys
 import threading
 import time
@@ -35,7 +34,7 @@ import numpy as np
 from .config import Config, resolve_model_path
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, ConfigError, GpudetError, catch_signals
 from .results import ImageError, ImageRef, detection_records
-from .sinks import OutputFolder, RunResult
+from .sinks import SHARDS, OutputFolder, RunResult
 from .source import FLUSH, batched, list_images
 
 log = logging.getLogger("gpudet")
@@ -135,15 +134,9 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
     model = check_before_starting(config)
     with OutputFolder(out_dir, resume=resume, overwrite=overwrite) as folder:
         started_at, started = datetime.now(timezone.utc), time.perf_counter()
-        shards = folder.path / "shards"
+        shards = folder.path / SHARDS
         refs = list_images(source, root=root)
-        if overwrite:
-            for shard in shards.glob(f"{SHARD_PREFIX}*") if shards.is_dir() else []:
-                shutil.rmtree(shard)
-        todo = folder.begin(refs, also=sorted(shards.glob(f"{SHARD_PREFIX}*/*.jsonl")) if shards.is_dir() else [])
-        if overwrite:
-            for path in folder.files:
-                path.unlink(missing_ok=True)
+        todo = folder.begin(refs)
         started_here, failure, streaming = not ray.is_initialized(), None, 0.0
         with ray_messages():
             start_ray(ray, address, workers)
@@ -161,8 +154,7 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
                 if started_here:
                     ray.shutdown()
         owned = {r.index for r in todo}
-        folder.merge(sorted(shards.glob(f"{SHARD_PREFIX}*")) if shards.is_dir() else [],
-                     lambda name, record: folder.tally.count(name, record) if record["index"] in owned else None)
+        folder.merge(lambda name, record: folder.tally.count(name, record) if record["index"] in owned else None)
         elapsed = time.perf_counter() - started
         missing = len(todo) - folder.tally.processed - folder.tally.failed
         summary = folder.write_summary(

@@ -90,6 +90,14 @@ def setup_logging(level: str = "WARNING", as_json: bool = False, quiet: bool = F
     root.propagate = False
 
 
+def logging_settings() -> tuple[str, bool]:
+    """setup_logging's arguments that give another process (a --devices worker) this one's logging:
+    its level (--quiet already in it) and whether it logs JSON."""
+    root = logging.getLogger("gpudet")
+    return logging.getLevelName(root.getEffectiveLevel()), any(isinstance(h.formatter, JsonFormatter)
+                                                               for h in root.handlers)
+
+
 _interrupted = threading.Event()
 
 

@@ -11,7 +11,9 @@ round-robin to the workers (`todo[k::n]`, so every input goes to exactly one), s
 have stopped. A worker that dies (a signal: killed, or aborted by a CUDA fault) is started again
 on its images not yet recorded (run.worker_restarts). A worker that fails otherwise is reported with
 its device and exit code; what it wrote stays in its shard and a --resume picks up the rest. The
-summary's counts are read from the merged records, so a process that died is counted too.
+summary's counts are read from the merged records, so a process that died is counted too. Ctrl-C
+or SIGTERM to the parent stops the workers (each ends its batch), merges what they wrote and
+exits 130.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 import logging
 import multiprocessing
 import re
-import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -31,10 +33,10 @@ from typing import Any
 
 from .config import Config
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, DeviceError, guarded, \
-    setup_logging
+    logging_settings, setup_logging
 from .results import ImageRef
 from .runner import detect_into
-from .sinks import RESULT_FILES, OutputFolder, RunResult, Tally, recorded
+from .sinks import RESULT_FILES, SHARDS, OutputFolder, RunResult, Tally, recorded
 from .source import list_images
 
 log = logging.getLogger("gpudet")
@@ -68,11 +70,16 @@ def parse_devices(text: str) -> list[str]:
     return devices
 
 
-def _worker(todo: list[ImageRef], shard: str, config: Config, source: str, images: int) -> None:
+def _worker(todo: list[ImageRef], shard: str, config: Config, source: str, images: int,
+            logging_setup: tuple[str, bool]) -> None:
     """One worker process: the single-device run over its share, appended to its shard; exit
-    code as `gpudet detect`'s."""
-    setup_logging("WARNING")
+    code as `gpudet detect`'s. It logs as the parent does; it stops on SIGTERM, which the parent
+    sends when it is stopped (a terminal's Ctrl-C, which reaches every process of the group, is
+    left to the parent, so that a worker is asked once)."""
+    setup_logging(*logging_setup)
+
     def run() -> int:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         with OutputFolder(shard, resume=True) as folder:
             return detect_into(folder, todo, config, source=source, images=images, progress=False).exit_code
 
@@ -115,23 +122,17 @@ def run_on_devices(source: str, out_dir: str | Path, config: Config, devices: li
 def _run_on_devices(folder: OutputFolder, source: str, config: Config, devices: list[str], *, root: str | None,
                     progress: bool | None) -> RunResult:
     started_at, started = datetime.now(timezone.utc), time.perf_counter()
-    overwrite = folder.overwrite
-    shards = [folder.path / "shards" / str(k) for k in range(len(devices))]
-    if overwrite:
-        shutil.rmtree(folder.path / "shards", ignore_errors=True)
     refs = list_images(source, root=root)
-    earlier = sorted((folder.path / "shards").glob("*/*.jsonl")) if (folder.path / "shards").is_dir() else []
-    todo = folder.begin(refs, also=earlier)
-    if overwrite:
-        for path in folder.files:
-            path.unlink(missing_ok=True)
+    todo = folder.begin(refs)
+    shards = [folder.path / SHARDS / str(k) for k in range(len(devices))]
     context = multiprocessing.get_context("spawn")
 
     def start(worker: Worker, images: list[ImageRef]) -> None:
         (worker.shard / "summary.json").unlink(missing_ok=True)  # each process writes its own
         worker_config = replace(config, run=replace(config.run, device=worker.device))
         worker.process = context.Process(target=_worker, name=f"gpudet-worker{worker.shard.name}-{worker.device}",
-                                         args=(images, str(worker.shard), worker_config, str(source), len(refs)))
+                                         args=(images, str(worker.shard), worker_config, str(source), len(refs),
+                                               logging_settings()))
         worker.left = len(images)
         worker.process.start()
 
@@ -155,10 +156,14 @@ def _run_on_devices(folder: OutputFolder, source: str, config: Config, devices: 
         return True
 
     workers = [Worker(device, shards[k], todo[k::len(devices)], config.run.worker_restarts)
-               for k, device in enumerate(devices)]
+               for k, device in enumerate(devices) if todo[k::len(devices)]]
     for worker in workers:
         start(worker, worker.share)
-    _wait_with_progress(workers, len(todo), progress, restarted)
+    try:
+        _wait_with_progress(workers, len(todo), progress, restarted)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: each worker ends its batch; what they wrote is merged
+        _stop(workers)
+        folder.tally.interrupted = True
     owner = {r.index: w for w in workers for r in w.share}
 
     def count(name: str, record: dict) -> None:
@@ -167,8 +172,8 @@ def _run_on_devices(folder: OutputFolder, source: str, config: Config, devices: 
             worker.tally.count(name, record)
             folder.tally.count(name, record)
 
-    folder.merge([s for s in shards if s.is_dir()], count)
-    return _summarise(folder, source, config, refs, todo, workers, started, started_at)
+    folder.merge(count)
+    return _summarise(folder, source, config, refs, todo, devices, workers, started, started_at)
 
 
 def _wait_with_progress(workers: list[Worker], total: int, progress: bool | None,
@@ -187,22 +192,48 @@ def _wait_with_progress(workers: list[Worker], total: int, progress: bool | None
         return any(not w.ended for w in workers)
 
     with tqdm(total=total, unit="img", disable=not show, dynamic_ncols=True) as bar:
-        try:
-            while True:
-                more = running()
-                bar.n = sum(_lines(f) for f in files) - baseline
-                bar.refresh()
-                if not more:
-                    break
-                time.sleep(0.5)
-        except KeyboardInterrupt:  # the workers got the same SIGINT; let them finish their batch
-            for w in workers:
+        while True:
+            more = running()
+            bar.n = sum(_lines(f) for f in files) - baseline
+            bar.refresh()
+            if not more:
+                break
+            time.sleep(0.5)
+
+
+STOP_TIMEOUT_S = 60.0
+"""How long a stopped worker may take to end its batch and write its summary before it is killed."""
+
+
+def _stop(workers: list[Worker]) -> None:
+    """Ask every running worker to stop (SIGTERM: it ends its batch, writes its summary, exits
+    130), wait for them, and kill one that does not end within STOP_TIMEOUT_S. Further interrupts
+    meanwhile are not let through: the workers are already stopping."""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        running = [w for w in workers if not w.ended and w.process.is_alive()]
+        for w in running:
+            w.process.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for w in running:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+            if w.process.is_alive():
+                log.warning("worker %s on %s did not stop within %.0f s; killing it (what it wrote is kept)",
+                            w.shard.name, w.device, STOP_TIMEOUT_S)
+                w.process.kill()
                 w.process.join()
-            raise
+        for w in workers:
+            if not w.ended:
+                w.process.join()
+                w.exit_codes.append(w.process.exitcode)
+                w.ended = True
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _summarise(folder: OutputFolder, source: str, config: Config, refs: list[ImageRef], todo: list[ImageRef],
-               workers: list[Worker], started: float, started_at: datetime) -> RunResult:
+               devices: list[str], workers: list[Worker], started: float, started_at: datetime) -> RunResult:
     per_worker, failed_workers, model = [], [], None
     for worker in workers:
         summary_path = worker.shard / "summary.json"  # its last process's, if that one finished
@@ -220,11 +251,12 @@ def _summarise(folder: OutputFolder, source: str, config: Config, refs: list[Ima
                                                                            or unrecorded):
             failed_workers.append(f"worker {worker.shard.name} on {worker.device} exited with code {code}"
                                   + (f", {unrecorded} of its images not recorded" if unrecorded else ""))
-    folder.tally.interrupted = any(w.exit_codes[-1] == EXIT_INTERRUPTED for w in workers)
+    folder.tally.interrupted |= any(w.exit_codes[-1] == EXIT_INTERRUPTED for w in workers)
     elapsed = time.perf_counter() - started
     summary = folder.write_summary(
-        source=str(source), images=len(refs), todo=len(todo), device=", ".join(w.device for w in workers),
+        source=str(source), images=len(refs), todo=len(todo), device=", ".join(devices),
         seconds={"total": elapsed}, loop_seconds=elapsed, started=started_at, model=model, config=config.to_dict(),
-        extra={"devices": [w.device for w in workers], "workers": per_worker,
+        extra={"devices": devices, "workers": per_worker,
                "restarts": sum(len(w.exit_codes) - 1 for w in workers), "failed_workers": failed_workers})
-    return RunResult(summary, EXIT_INTERNAL if failed_workers else folder.tally.exit_code)
+    interrupted = folder.tally.interrupted
+    return RunResult(summary, EXIT_INTERNAL if failed_workers and not interrupted else folder.tally.exit_code)

@@ -53,6 +53,8 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, s
                 bar.update(len(batch.refs))
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was written stays; --resume continues
             folder.tally.interrupted = True
+    if folder.shards:  # an earlier --devices or --ray run's records, counted as done by begin
+        folder.merge()
     total_s = time.perf_counter() - t0
     summary = folder.write_summary(
         source=source, images=images, todo=len(todo), device=detector.device.describe(),

@@ -17,6 +17,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -26,7 +27,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 
 from ._version import __version__
@@ -34,6 +34,7 @@ from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, OutputError, Ou
 from .results import ImageError, ImageRef
 
 RESULT_FILES = ("detections.jsonl", "errors.jsonl")
+SHARDS = "shards"
 
 
 def jsonl(records: list[dict]) -> bytes:
@@ -62,6 +63,19 @@ def read_complete_records(path: Path) -> list[dict]:
         with open(path, "r+b") as f:
             f.truncate(end)
     return [json.loads(line) for line in data[:end].decode("utf-8").splitlines() if line.strip()]
+
+
+def iter_complete_lines(path: Path) -> Iterator[bytes]:
+    """The complete lines of a JSONL file, read as a stream (an unterminated last line, a kill's
+    torn write, is left out)."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        for line in f:
+            if line.endswith(b"\n") and line.strip():
+                yield line
 
 
 class JsonlWriter:
@@ -197,17 +211,28 @@ class OutputFolder:
     def files(self) -> list[Path]:
         return [self.path / name for name in RESULT_FILES]
 
-    def begin(self, refs: list[ImageRef], *, also: Iterable[Path] = ()) -> list[ImageRef]:
+    @property
+    def shards(self) -> list[Path]:
+        """The shard folders (`shards/*/`), where --devices workers and Ray actors write their
+        records before they are merged into this folder's files."""
+        folder = self.path / SHARDS
+        return sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()) if folder.is_dir() else []
+
+    def begin(self, refs: list[ImageRef]) -> list[ImageRef]:
         """Start a run over `refs`: the images it must process. An earlier run's summary.json goes
         first, so that a summary always describes the run that wrote it, whatever stops this one.
-        also: more result files that count as this folder's (the --devices workers' shards)."""
-        existing = [p for p in self.files + list(also) if p.exists() and p.stat().st_size]
-        if existing and not (self.resume or self.overwrite):
+        Records in the shards count as this folder's; --overwrite removes them with the files."""
+        if self.overwrite:
+            shutil.rmtree(self.path / SHARDS, ignore_errors=True)
+            for path in self.files:
+                if path.exists():
+                    os.close(open_for_writing(path, os.O_TRUNC))
+        (self.path / "summary.json").unlink(missing_ok=True)
+        existing = [p for p in self.files + [s / name for s in self.shards for name in RESULT_FILES]
+                    if p.exists() and p.stat().st_size]
+        if existing and not self.resume:
             raise OutputError(f"{existing[0]} already holds results; pass --resume to process only the images "
                               "not yet recorded there, or --overwrite to start again")
-        (self.path / "summary.json").unlink(missing_ok=True)
-        if not existing or self.overwrite:
-            return refs
         done = recorded(existing, refs)
         return [r for r in refs if r.index not in done]
 
@@ -237,20 +262,32 @@ class OutputFolder:
         for record in records:
             self.tally.count(RESULT_FILES[1], record)
 
-    def merge(self, shards: list[Path], count: Callable[[str, dict], None] = lambda name, record: None) -> None:
-        """Rewrite this folder's JSONL files as the union, by image index, of what they held and
-        what the shards' files hold (streamed, replaced atomically); `count` sees each record kept."""
+    def merge(self, count: Callable[[str, dict], None] = lambda name, record: None) -> None:
+        """Rewrite this folder's JSONL files as the union, by image index, of what they hold and what
+        every shard holds, each image once (an image recorded as processed anywhere is not also
+        kept as failed); streamed, written in large blocks, each file replaced atomically. `count`
+        sees each record kept."""
+        seen: set[int] = set()
+        shards = self.shards
         for name in RESULT_FILES:
-            seen: set[int] = set()
             tmp = self.path / (name + ".tmp")
             tmp.unlink(missing_ok=True)
-            with JsonlWriter(tmp) as merged:
+            fd = open_for_writing(tmp, os.O_EXCL)
+            try:
+                block: list[bytes] = []
                 for path in [self.path / name] + [shard / name for shard in shards]:
-                    for record in read_complete_records(path):
+                    for line in iter_complete_lines(path):
+                        record = orjson.loads(line)
                         if record["index"] not in seen:
                             seen.add(record["index"])
                             count(name, record)
-                            merged.append([record])
+                            block.append(line)
+                            if len(block) == 4096:
+                                write_all(fd, b"".join(block), tmp)
+                                block.clear()
+                write_all(fd, b"".join(block), tmp)
+            finally:
+                os.close(fd)
             os.replace(tmp, self.path / name)
 
     def write_summary(self, *, source: str, images: int, todo: int, device: str, seconds: dict[str, float],

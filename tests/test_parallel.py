@@ -104,3 +104,73 @@ def test_a_worker_that_dies_is_started_again_on_what_it_had_not_recorded(tmp_pat
     printed = capsys.readouterr()
     assert "worker 0 on cpu died (exit code -9)" in printed.err
     assert "exit 0 (restarted after -9)" in printed.out
+
+
+def test_resume_on_fewer_devices_merges_every_shard_it_counted(tmp_path):
+    """A --devices run on three workers stopped before its merge (killed): its records are only in
+    shards/0..2. A --resume on one device counts them as done, so it must merge all three."""
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"{p}\n" for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md") * 2)
+    out = tmp_path / "out"
+    assert main(["detect", str(listing), "--out", str(out), "--devices", "cpu,cpu,cpu", "--quiet"]) == 0
+    for name in ("detections.jsonl", "errors.jsonl", "summary.json"):
+        (out / name).unlink(missing_ok=True)
+    assert main(["detect", str(listing), "--out", str(out), "--devices", "cpu", "--resume", "--quiet"]) == 0
+    assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == list(range(12))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["already_done"] == 12 and summary["workers"] == []  # nothing left: no worker started
+    # A single-process --resume reads and merges the shards the same way.
+    (out / "detections.jsonl").unlink()
+    assert main(["detect", str(listing), "--out", str(out), "--device", "cpu", "--resume", "--quiet"]) == 0
+    assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == list(range(12))
+
+
+def test_more_devices_than_images_start_only_the_workers_with_images(tmp_path):
+    out = tmp_path / "out"
+    image = next(SAMPLES.glob("*.jpg"))
+    assert main(["detect", str(image), "--out", str(out), "--devices", "cpu,cpu", "--quiet"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["devices"] == ["cpu", "cpu"] and [w["processed"] for w in summary["workers"]] == [1]
+    assert not (out / "shards" / "1").exists()
+
+
+def test_sigterm_to_the_parent_stops_the_workers_and_keeps_what_they_wrote(tmp_path):
+    """A scheduler stopping the job sends SIGTERM to the parent only: it stops its workers (each
+    ends its batch), merges their records, writes the summary and exits 130; --resume finishes."""
+    import subprocess
+    import sys
+
+    images = [p for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md"] * 40
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"{p}\n" for p in images))
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "pipeline", "detect", str(listing), "--out", str(out), "--devices", "cpu,cpu",
+               "--batch-size", "2", "--quiet"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not all(
+            (out / "shards" / k / "detections.jsonl").exists() and read_jsonl(out / "shards" / k / "detections.jsonl")
+            for k in "01"):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] and [w["exit_code"] for w in summary["workers"]] == [130, 130]
+    first = read_jsonl(out / "detections.jsonl")
+    assert 0 < len(first) < len(images) and summary["processed"] == len(first)
+    assert main(["detect", str(listing), "--out", str(out), "--devices", "cpu,cpu", "--resume", "--quiet"]) == 0
+    assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == list(range(len(images)))
+
+
+def test_a_worker_logs_as_its_parent():
+    from pipeline.errors import logging_settings, setup_logging
+
+    try:
+        setup_logging("INFO", as_json=True)
+        assert logging_settings() == ("INFO", True)
+        setup_logging("WARNING", quiet=True)
+        assert logging_settings() == ("ERROR", False)
+    finally:
+        setup_logging()
