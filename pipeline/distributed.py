@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -57,13 +58,21 @@ class DetectActor:
         self.detector = Detector.from_config(config)
         self.shard = OutputFolder(Path(shards) / f"{SHARD_PREFIX}{uuid.uuid4().hex[:12]}", resume=True)
         self.requests: queue.Queue = queue.Queue()
+        self.failure: BaseException | None = None
+        """Why the stream ended, if it did: every request from then on fails with it."""
+        self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._serve, name="gpudet-ray-stream", daemon=True)
         self.thread.start()
 
     async def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         refs = [ImageRef(int(i), str(p)) for i, p in zip(batch["index"], batch["path"], strict=True)]
+        if not refs:
+            return {"index": np.zeros(0, np.int64), "processed": np.zeros(0, bool), "detections": np.zeros(0, np.int64)}
         done: Future = Future()
-        self.requests.put((refs, done))
+        with self.lock:  # a request is either queued before the stream ends (and failed by it) or refused
+            if self.failure is not None:
+                raise RuntimeError(f"this actor's detector stopped: {self.failure!r}") from self.failure
+            self.requests.put((refs, done))
         rows = await asyncio.wrap_future(done)
         return {name: np.array(values) for name, values in zip(("index", "processed", "detections"), zip(*rows))}
 
@@ -105,11 +114,15 @@ class DetectActor:
                     self.shard.record(records)
                     for record in records:
                         recorded(record["index"], True, len(record["detections"]))
-        except BaseException as e:  # the actor cannot go on: every waiting request fails with the reason
-            for done, _ in list(waiting.values()):
+        except BaseException as e:  # the actor cannot go on: every request, waiting or queued, fails with the reason
+            with self.lock:
+                self.failure = e
+            pending = [done for done, _ in waiting.values()]
+            while not self.requests.empty():
+                pending.append(self.requests.get_nowait()[1])
+            for done in pending:  # Ray reports it as the batches' failure (the traceback is Ray's to show)
                 if not done.done():
                     done.set_exception(e)
-            raise
 
 
 def check_before_starting(config: Config) -> dict:
@@ -131,28 +144,21 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
         import ray
     except ImportError:
         raise ConfigError("--ray needs Ray Data: pip install 'gpudet[ray]' (or 'ray[data]')") from None
+    if workers < 1:
+        raise ConfigError(f"--workers {workers}: give at least 1 detector actor")
     model = check_before_starting(config)
+    show = sys.stderr.isatty() if progress is None else progress  # before Ray's messages are taken off stderr
     with OutputFolder(out_dir, resume=resume, overwrite=overwrite) as folder:
         started_at, started = datetime.now(timezone.utc), time.perf_counter()
         shards = folder.path / SHARDS
         refs = list_images(source, root=root)
         todo = folder.begin(refs)
-        started_here, failure, streaming = not ray.is_initialized(), None, 0.0
-        with ray_messages():
-            start_ray(ray, address, workers)
+        failure, streaming, gpus = None, 0.0, gpus_per_worker
+        if todo:
             try:
-                gpus = gpus_per_worker
-                if gpus is None:  # one GPU per actor where the cluster has GPUs and the config allows
-                    gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 and config.run.device != "cpu" else 0.0
-                try:
-                    streaming = stream(ray, todo, config, shards, workers, gpus, progress)
-                except KeyboardInterrupt:  # what the actors wrote stays in their shards; --resume goes on
-                    folder.tally.interrupted = True
-                except ray.exceptions.RayError as e:  # Ray gave up (an actor kept failing, the cluster went)
-                    failure = " ".join(str(e).split())[:500]
-            finally:
-                if started_here:
-                    ray.shutdown()
+                streaming, gpus, failure = run_actors(ray, todo, config, shards, address, workers, gpus, show)
+            except KeyboardInterrupt:  # what the actors wrote stays in their shards; --resume goes on
+                folder.tally.interrupted = True
         owned = {r.index for r in todo}
         folder.merge(lambda name, record: folder.tally.count(name, record) if record["index"] in owned else None)
         elapsed = time.perf_counter() - started
@@ -172,6 +178,29 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
     return RunResult(summary, folder.tally.exit_code)
 
 
+def run_actors(ray, todo: list[ImageRef], config: Config, shards: Path, address: str | None, workers: int,
+               gpus: float | None, show: bool) -> tuple[float, float, str | None]:
+    """Ray started (or reached), the actors streamed over `todo`, Ray shut down if started here.
+    Returns the stream's seconds, the GPUs per actor, and why Ray gave up (None if it did not)."""
+    started_here = not ray.is_initialized()
+    with ray_messages() as stderr:
+        start_ray(ray, address, workers)
+        try:
+            if gpus is None:  # one GPU per actor where the cluster has GPUs and the config allows
+                gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 and config.run.device != "cpu" else 0.0
+            try:
+                return stream(ray, todo, config, shards, workers, gpus, stderr if show else None), gpus, None
+            except ray.exceptions.RayError as e:  # Ray gave up (an actor kept failing, the cluster went)
+                return 0.0, gpus, " ".join(str(e).split())[:500]
+        finally:
+            if started_here:
+                ray.shutdown()
+
+
+class RayStartError(GpudetError):
+    """Ray could not be started or reached."""
+
+
 class RayJobError(GpudetError):
     """The Ray job did not record every image; --resume continues it."""
 
@@ -179,8 +208,9 @@ class RayJobError(GpudetError):
 
 
 def stream(ray, todo: list[ImageRef], config: Config, shards: Path, workers: int, gpus: float,
-           progress: bool | None) -> float:
-    """The actor pool over `todo`, waiting for every image's row (the progress bar counts them).
+           progress: TextIO | None) -> float:
+    """The actor pool over `todo`, waiting for every image's row (a progress bar counts them on
+    `progress`, the terminal's stderr, where given).
     Returns the seconds from the first row to the last: the rate once the actors run."""
     from tqdm import tqdm
 
@@ -190,7 +220,7 @@ def stream(ray, todo: list[ImageRef], config: Config, shards: Path, workers: int
                                    compute=ray.data.ActorPoolStrategy(size=workers),
                                    num_gpus=gpus, num_cpus=1, batch_format="numpy")
     first = last = None
-    with tqdm(total=len(todo), unit="img", disable=not progress, dynamic_ncols=True) as bar:
+    with tqdm(total=len(todo), unit="img", disable=progress is None, file=progress, dynamic_ncols=True) as bar:
         for rows in detected.iter_batches(batch_size=None, batch_format="numpy"):
             last = time.perf_counter()
             first = first or last
@@ -203,10 +233,11 @@ def ray_messages():
     """Ray's own messages through gpudet's log, so that --quiet and --log-json hold for them too:
     whatever Ray writes to this process's stderr (its Python loggers, the core worker's C++ log
     lines) is read from a pipe and logged line by line as gpudet's warnings; gpudet's handler
-    writes to the real stderr meanwhile."""
+    writes to the real stderr meanwhile. Yields that real stderr (for a progress bar)."""
     gpudet = logging.getLogger("gpudet")
     real = os.dup(2)
-    handler = logging.StreamHandler(os.fdopen(os.dup(real), "w", buffering=1))
+    stderr = os.fdopen(os.dup(real), "w", buffering=1)
+    handler = logging.StreamHandler(stderr)
     handler.setFormatter(gpudet.handlers[0].formatter if gpudet.handlers else logging.Formatter())
     handlers = gpudet.handlers[:]
     gpudet.handlers[:] = [handler]
@@ -224,7 +255,7 @@ def ray_messages():
     reader = threading.Thread(target=forward, name="gpudet-ray-stderr", daemon=True)
     reader.start()
     try:
-        yield
+        yield stderr
     finally:
         sys.stderr.flush()
         os.dup2(real, 2)  # the pipe's last writer in this process is gone: the reader ends
@@ -232,11 +263,20 @@ def ray_messages():
         reader.join(timeout=5)
         gpudet.handlers[:] = handlers
         handler.close()
+        stderr.close()
 
 
 def start_ray(ray, address: str | None, workers: int) -> None:
     """ray.init, with Ctrl-C and SIGTERM left to gpudet (ray.init installs handlers of its own)."""
-    ray.init(address=address, ignore_reinit_error=True, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, **({} if address else {"num_cpus": max(4, 2 * workers)}))
+    try:
+        ray.init(address=address, ignore_reinit_error=True, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False, **({} if address else {"num_cpus": max(4, 2 * workers)}))
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # no cluster at the address, another Ray version, no room for a local one
+        where = f"--ray {address}" if address else "--ray (a local cluster)"
+        raise RayStartError(f"{where}: Ray did not start: {' '.join(str(e).split())[:300]}; check the address, "
+                            "that the cluster runs and has this Ray version, or run without an address for a "
+                            "local one") from None
     ray.data.DataContext.get_current().enable_progress_bars = False  # gpudet shows its own
     catch_signals()

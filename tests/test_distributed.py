@@ -36,6 +36,11 @@ def test_ray_actors_give_the_single_process_results_and_resume(tmp_path):
     assert main(["detect", str(listing), "--out", str(tmp_path / "ray"), "--ray", "--workers", "2", "--resume",
                  *common]) == 0
     assert records(tmp_path / "one" / "detections.jsonl") == records(tmp_path / "ray" / "detections.jsonl")
+    # Nothing left: no actor, no Ray, the same files and a summary saying so.
+    assert main(["detect", str(listing), "--out", str(tmp_path / "ray"), "--ray", "--workers", "2", "--resume",
+                 *common]) == 0
+    assert json.loads((tmp_path / "ray" / "summary.json").read_text())["already_done"] == 7
+    assert records(tmp_path / "one" / "detections.jsonl") == records(tmp_path / "ray" / "detections.jsonl")
 
 
 def ray_run(*args, timeout=600) -> subprocess.CompletedProcess:
@@ -119,3 +124,49 @@ def test_sigterm_to_a_ray_run_is_130_with_a_summary_and_resume_finishes(tmp_path
                        "--quiet", "--resume")
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == list(range(400))
+
+
+def test_an_actor_whose_stream_stops_fails_every_request_instead_of_hanging(tmp_path):
+    """The actor's stream thread ends (here: its shard's disk is full): the request it was serving,
+    those queued behind it and any that come later fail with the reason, none waits forever."""
+    import asyncio
+    import errno
+
+    import numpy as np
+
+    from pipeline.config import load_config
+    from pipeline.distributed import DetectActor
+    from pipeline.errors import OutputWriteError
+
+    actor = DetectActor(load_config(None, ["run.device=cpu", "run.batch_size=2"]), str(tmp_path / "shards"))
+
+    def disk_full(records):
+        raise OutputWriteError(actor.shard.files[0], OSError(errno.ENOSPC, "No space left on device"))
+
+    actor.shard.record = disk_full
+    photos = [str(p) for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md"]
+
+    def request(first: int) -> dict:
+        return {"index": np.arange(first, first + 3), "path": np.array(photos[first:first + 3])}
+
+    async def go():
+        empty = await actor({"index": np.zeros(0, np.int64), "path": np.zeros(0, str)})
+        assert all(len(v) == 0 for v in empty.values())
+        both = await asyncio.wait_for(asyncio.gather(actor(request(0)), actor(request(3)), return_exceptions=True), 120)
+        assert all(isinstance(e, OutputWriteError) for e in both), both
+        later = await asyncio.wait_for(asyncio.gather(actor(request(0)), return_exceptions=True), 10)
+        assert isinstance(later[0], RuntimeError) and "disk is full" in str(later[0])
+
+    asyncio.run(go())
+
+
+def test_ray_usage_errors_are_one_line(tmp_path):
+    run = ray_run(SAMPLES, "--out", tmp_path / "o", "--ray", "--workers", "0", "--device", "cpu")
+    assert run.returncode == 2 and run.stderr.strip() == "gpudet: ERROR: --workers 0: give at least 1 detector actor"
+
+
+def test_progress_is_a_bar_on_stderr_not_a_warning_from_ray(tmp_path):
+    run = ray_run(SAMPLES, "--out", tmp_path / "o", "--ray", "--workers", "1", "--device", "cpu", "--progress")
+    assert run.returncode == 0, run.stderr[-3000:]
+    bar = [line for line in run.stderr.replace("\r", "\n").splitlines() if "6/6" in line]
+    assert bar and not any(line.startswith("gpudet:") for line in bar), run.stderr[-3000:]
