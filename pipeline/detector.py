@@ -170,7 +170,8 @@ class Detector:
         reading: dict[int, Future] = {}  # slot -> the postprocess reading its buffers
         files = clock.timed(read_chunks(batches, batch_size=self.batch_size, num_threads=self.num_threads,
                                         max_pixels=self.max_pixels, max_bytes=self.max_file_bytes), "read")
-        batches = clock.timed(self._preprocessed(readable(files, on_error, self.max_batch_pixels), on_error),
+        batches = clock.timed(self._preprocessed(readable(files, on_error, self.max_batch_pixels, self.device.torch),
+                                                 on_error),
                               "preprocess")
         with self._threads() as (engine, post):
             for batch in batches:  # source: files read ahead, checked -> preprocess: DALI
@@ -301,20 +302,28 @@ def inputs(source, root: str | None) -> Iterator[Item]:
 
 
 def readable(batches: Iterable[list[EncodedImage | PixelImage | ImageError]],
-             on_error: Callable[[list[ImageError]], None],
-             max_batch_pixels: int) -> Iterator[list[EncodedImage | PixelImage]]:
+             on_error: Callable[[list[ImageError]], None], max_batch_pixels: int,
+             device: torch.device) -> Iterator[list[EncodedImage | PixelImage]]:
     """The images of each batch that passed the source's checks, in parts of one kind (files and
     encoded bytes, or decoded pixels) that decode to at most max_batch_pixels; the others go to
-    on_error."""
+    on_error, with the pixels on a GPU that is not the detector's `device`."""
     for items in batches:
         if items is FLUSH:
             yield FLUSH
             continue
+        items = [elsewhere(i, device) if isinstance(i, PixelImage) and i.on_device and i.data.device != device
+                 else i for i in items]
         errors = [i for i in items if isinstance(i, ImageError)]
         if errors:
             on_error(errors)
         for _, part in groupby((i for i in items if not isinstance(i, ImageError)), key=source_of):
             yield from within_pixels(list(part), max_batch_pixels)
+
+
+def elsewhere(item: PixelImage, device: torch.device) -> ImageError:
+    return ImageError(item.ref.index, item.ref.path, "bad_array",
+                      f"a tensor on {item.data.device}, and the detector runs on {device}: move it there "
+                      f"(.to('{device}'))")
 
 
 def source_of(item_or_batch) -> str:

@@ -273,13 +273,19 @@ def preprocess_stream(preprocessor: Preprocessor, batches: Iterable[list[Encoded
     draining = False  # a FLUSH came: every batch in flight first, then the mark
     try:
         while True:
-            while not draining and len(preprocessor.in_flight) < depth:
-                batch = retry.popleft() if retry else next(source, _END)
-                if batch is _END:
+            while len(preprocessor.in_flight) < depth:  # batches to submit again go first, also before a FLUSH
+                if retry:
+                    batch = retry.popleft()
+                elif draining:
                     break
-                if batch is FLUSH:
-                    draining = True
-                elif batch:
+                else:
+                    batch = next(source, _END)
+                    if batch is _END:
+                        break
+                    if batch is FLUSH:
+                        draining = True
+                        continue
+                if batch:
                     preprocessor.submit(batch)
             if not preprocessor.in_flight:
                 if not draining:

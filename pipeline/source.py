@@ -264,6 +264,9 @@ def read_checked(ref: ImageRef, max_pixels: int = 0, max_bytes: int = 0) -> Enco
                                                             "genuine)")
     except OSError as e:
         return ImageError(ref.index, ref.path, "unreadable", f"cannot read: {e.strerror or e}")
+    except ValueError:  # no file name holds a NUL byte (a binary file given as the list, say)
+        return ImageError(ref.index, ref.path, "unreadable",
+                          "the path holds a NUL byte, which no file name can; check the list")
     return checked_bytes(EncodedImage(ref, np.frombuffer(data, dtype=np.uint8)), max_pixels)
 
 
@@ -315,18 +318,22 @@ def as_item(value: object, index: int) -> Item | ImageError:
     bytearray, memoryview, or a 1-D uint8 numpy array or CPU tensor, as torchvision.io.read_file
     gives), a decoded RGB image (a PIL image, a numpy uint8 [H, W, 3] array, a torch uint8 tensor
     [H, W, 3] or [3, H, W] on the CPU or a GPU). Its record's path is the path, or a label such as
-    "<array 3>"; never the data."""
+    "<array 3>"; never the data.
+
+    What is read from the caller's memory is copied (bytes are immutable and taken as they are):
+    the stream reads ahead, and a caller may reuse a buffer for the next image."""
     if isinstance(value, (str, os.PathLike)):
         return ImageRef(index, os.fspath(value))
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return EncodedImage(ImageRef(index, f"<bytes {index}>"), np.frombuffer(value, dtype=np.uint8))
+        data = value if isinstance(value, bytes) else bytes(value)
+        return EncodedImage(ImageRef(index, f"<bytes {index}>"), np.frombuffer(data, dtype=np.uint8))
     module = type(value).__module__.split(".")[0]
     if module == "PIL":
         return PixelImage(ImageRef(index, f"<PIL image {index}>"), np.asarray(value.convert("RGB")))
     if isinstance(value, np.ndarray):
         ref = ImageRef(index, f"<array {index}>")
         if value.dtype == np.uint8 and value.ndim == 1:
-            return EncodedImage(ref, value)
+            return EncodedImage(ref, np.array(value, order="C"))
         return _pixels(ref, value, value.ndim == 3 and value.shape[-1] == 3, on_device=False)
     if module == "torch":
         ref = ImageRef(index, f"<tensor {index}>")
@@ -334,12 +341,12 @@ def as_item(value: object, index: int) -> Item | ImageError:
             return ImageError(index, ref.path, "bad_array", f"a {value.dtype} tensor: pass uint8 pixels (RGB) or "
                                                             "encoded bytes")
         if value.ndim == 1 and value.device.type == "cpu":
-            return EncodedImage(ref, value.numpy())
+            return EncodedImage(ref, np.array(value.numpy(), order="C"))
         if value.ndim == 3 and value.shape[0] == 3:  # [3, H, W], as torchvision.io decodes
             value = value.permute(1, 2, 0)
         if value.device.type == "cpu":
             return _pixels(ref, value.numpy(), value.ndim == 3 and value.shape[-1] == 3, on_device=False)
-        return _pixels(ref, value.contiguous(), value.ndim == 3 and value.shape[-1] == 3, on_device=True)
+        return _pixels(ref, value, value.ndim == 3 and value.shape[-1] == 3, on_device=True)
     return ImageError(index, f"<{type(value).__name__} {index}>", "bad_array",
                       f"a {type(value).__name__} is not an image: pass a path, encoded bytes, a PIL image, or uint8 "
                       "RGB pixels as a numpy array [H, W, 3] or a torch tensor")
@@ -349,7 +356,11 @@ def _pixels(ref: ImageRef, value, rgb: bool, *, on_device: bool) -> PixelImage |
     if not rgb or str(value.dtype) not in ("uint8", "torch.uint8") or 0 in value.shape:
         return ImageError(ref.index, ref.path, "bad_array", f"{tuple(value.shape)} {value.dtype} pixels: pass uint8 "
                                                             "RGB as [H, W, 3] (a torch tensor also [3, H, W])")
-    return PixelImage(ref, value if on_device else np.ascontiguousarray(value), on_device)
+    if on_device:  # a copy on the device, in the caller's stream order
+        import torch
+
+        return PixelImage(ref, value.clone(memory_format=torch.contiguous_format), on_device=True)
+    return PixelImage(ref, np.array(value, order="C"), on_device=False)
 
 
 def checked(item: Item | ImageError, max_pixels: int = 0, max_bytes: int = 0) -> EncodedImage | PixelImage | ImageError:

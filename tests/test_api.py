@@ -146,3 +146,33 @@ def test_cuda_tensors_go_to_dali_on_the_device():
     host, device = list(detector.run([rgb, rgb])), list(detector.run([on_gpu, on_gpu]))
     assert [len(r.scores) for r in device] == [len(r.scores) for r in host] == [1, 1]
     assert np.abs(device[0].boxes_xyxy - host[0].boxes_xyxy).max() < 1
+
+
+def test_a_buffer_the_caller_reuses_and_strided_arrays_are_read_as_given():
+    """The stream reads ahead: a generator that refills one buffer for each image must still get
+    each image's own result. Arrays that are views with strides are taken too."""
+    import PIL.Image
+
+    detector = Detector.from_config(device="cpu", batch_size=2)
+    hopper = SAMPLES / "grace_hopper.jpg"
+    rgb = np.asarray(PIL.Image.open(hopper).convert("RGB"))
+
+    def refilled(n):
+        buffer = rgb.copy()
+        for k in range(n):
+            buffer[:] = rgb if k % 2 == 0 else 0  # the face, then a black image
+            yield buffer
+
+    assert [len(r.scores) for r in detector.run(refilled(8))] == [1, 0] * 4
+    encoded = np.frombuffer(hopper.read_bytes(), np.uint8)
+    strided = [np.repeat(encoded, 2)[::2], rgb[:, ::-1], torch.from_numpy(rgb[:, ::-1].copy()).permute(2, 0, 1)]
+    assert [len(r.scores) for r in detector.run(strided)] == [1, 1, 1]
+
+
+@pytest.mark.cuda
+def test_a_tensor_on_another_device_is_an_image_error():
+    detector = Detector.from_config(device="cpu", batch_size=2)
+    pixels = torch.zeros((64, 64, 3), dtype=torch.uint8, device="cuda")
+    (error,) = detector.run([pixels])
+    assert isinstance(error, ImageError) and error.reason == "bad_array"
+    assert "cuda:0" in error.message and "cpu" in error.message

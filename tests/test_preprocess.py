@@ -186,3 +186,19 @@ def test_decoder_cpu_on_a_gpu_gives_the_cpu_runs_pixels():
     nvjpeg = as_numpy(preprocessor("cuda").run([item]).images)
     print(f"nvJPEG vs CPU decode after resize: max {np.abs(nvjpeg - cpu).max():.2f}, "
           f"mean {np.abs(nvjpeg - cpu).mean():.3f} levels")
+
+
+def test_batches_submitted_again_after_a_failure_come_before_a_flush():
+    """A FLUSH (a stream fed by requests: nothing more for now) says every batch before it is out;
+    a batch DALI had to take again after another's failure is one of them."""
+    from pipeline.preprocess import preprocess_stream
+    from pipeline.source import FLUSH
+
+    good = [EncodedImage(ImageRef(i, "china.jpg"), np.fromfile(SAMPLES / "china.jpg", np.uint8)) for i in range(3)]
+    bad = EncodedImage(ImageRef(9, "bad.jpg"), np.frombuffer(b"\xff\xd8\xff" + b"\x00" * 100, np.uint8))
+    errors = []
+    out = preprocess_stream(preprocessor("cpu", batch_size=2), [[bad, good[1]], [good[2]], FLUSH, [good[0]]],
+                            errors.extend, depth=3)
+    order = ["flush" if b is FLUSH else [r.index for r in b.refs] for b in out]
+    assert order == [[1], [2], "flush", [0]]
+    assert [e.index for e in errors] == [9]

@@ -8,7 +8,7 @@ from pipeline.errors import SourceError
 from pipeline.results import ImageError, ImageRef
 from pipeline.source import EncodedImage, NotAFile, list_images, read_batches, read_checked, read_file
 
-from conftest import SAMPLES
+from conftest import SAMPLES, read_jsonl
 
 
 def test_file_list_resolves_relative_paths_against_its_folder_or_root(tmp_path):
@@ -128,3 +128,17 @@ def test_read_batches_reports_every_bad_file_in_its_place(tmp_path):
     assert sorted(reasons) == ["empty", "missing", "not_a_file", "too_large", "unknown_format"]  # 512x600 is over
     good = [i for i in items if isinstance(i, EncodedImage)]
     assert good and all(i.data.dtype == np.uint8 for i in good)
+
+
+def test_a_list_line_with_a_nul_byte_is_an_unreadable_image_and_resume_reads_its_record(tmp_path):
+    """A NUL byte cannot be in a file name (a binary file given as the list, say): that line's
+    image is recorded as unreadable, the others are processed, and --resume accepts the record."""
+    from pipeline.cli import main
+
+    listing = tmp_path / "list.txt"
+    listing.write_bytes(b"bad\x00name.jpg\n" + str(SAMPLES / "china.jpg").encode() + b"\n")
+    out = tmp_path / "out"
+    assert main(["detect", str(listing), "--out", str(out), "--device", "cpu", "--quiet"]) == 3
+    (error,) = read_jsonl(out / "errors.jsonl")
+    assert error["reason"] == "unreadable" and "NUL" in error["message"] and error["path"].endswith("bad\x00name.jpg")
+    assert main(["detect", str(listing), "--out", str(out), "--device", "cpu", "--quiet", "--resume"]) == 0
