@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import types
 import typing
 from dataclasses import dataclass, field
@@ -133,6 +134,22 @@ class RunConfig:
     worker that exits with an error of gpudet's (a bad config, model or device) is not restarted."""
 
 
+def check_thresholds(score_threshold: float, iou_threshold: float, max_detections: int, *, where: str = "") -> None:
+    """What the postprocess keeps, checked (the config's, or a run's own): ConfigError naming the
+    key (`where` + name) otherwise."""
+    def need(ok: bool, name: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"{where}{name}: {message}")
+
+    need(isinstance(score_threshold, numbers.Real) and 0.0 <= score_threshold <= 1.0, "score_threshold",
+         f"{score_threshold!r} must be in [0, 1]")
+    need(isinstance(iou_threshold, numbers.Real) and 0.0 < iou_threshold <= 1.0, "iou_threshold",
+         f"{iou_threshold!r} must be in (0, 1]")
+    whole = isinstance(max_detections, numbers.Integral) and not isinstance(max_detections, bool)
+    need(whole and 0 < max_detections <= 100_000, "max_detections", f"{max_detections!r} must be a whole number in "
+                                                                     "1..100000")
+
+
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -163,9 +180,7 @@ class Config:
         need(0 <= p.pad_value <= 255, "preprocess.pad_value", "must be a pixel value in [0, 255]")
         need(0.0 <= p.hw_decoder_load <= 1.0, "preprocess.hw_decoder_load", "must be in [0, 1]")
         q = self.postprocess
-        need(0.0 <= q.score_threshold <= 1.0, "postprocess.score_threshold", "must be in [0, 1]")
-        need(0.0 < q.iou_threshold <= 1.0, "postprocess.iou_threshold", "must be in (0, 1]")
-        need(0 < q.max_detections <= 100_000, "postprocess.max_detections", "must be in 1..100000")
+        check_thresholds(q.score_threshold, q.iou_threshold, q.max_detections, where="postprocess.")
         need(0 < q.pre_nms_top_k <= 100_000, "postprocess.pre_nms_top_k", "must be in 1..100000")
         m = self.model
         need(len(m.anchor_strides) == len(m.anchor_sizes), "model.anchor_sizes", "needs one list per anchor stride")

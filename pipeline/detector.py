@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import heapq
 import logging
 import os
 import time
@@ -24,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import Config, RunConfig, load_config, option_overrides, resolve_model_path
+from .config import Config, RunConfig, check_thresholds, load_config, option_overrides, resolve_model_path
 from .device import Device, free_bytes, resolve_device
 from .engine import Engine, Launched, detect_contract, landmark_points
 from .errors import ConfigError
@@ -68,6 +69,8 @@ class Detector:
         """Engine and postprocess on threads of their own (GPU); on the CPU they run inline."""
         self._streaming = False
         self._preprocessors = {preprocessor.source: preprocessor}
+        self._captured = thresholds
+        """The thresholds the postprocess's CUDA graphs were last captured for."""
         self._warm_up()
 
     @classmethod
@@ -152,8 +155,7 @@ class Detector:
                                "finish or close that one first, or build a second Detector")
         self._streaming = True
         try:
-            keep = thresholds or self.thresholds
-            self.engine.submit(self.engine.bind_scalars, dataclasses.asdict(keep)).result()  # a model that takes them
+            keep = self._keep(thresholds or self.thresholds)
             yield from self._stream(batches, on_error, clock or StageClock(), on_device, keep)
         finally:
             self._streaming = False
@@ -187,6 +189,20 @@ class Detector:
                     yield finished(*pending.popleft(), clock)
             while pending:
                 yield finished(*pending.popleft(), clock)
+
+    def _keep(self, thresholds: Thresholds) -> Thresholds:
+        """A stream's thresholds, checked and put in place before any batch flows: bound to a model
+        that takes them as inputs, and, for the heads postprocess on a GPU, its CUDA graphs for them
+        captured now, while nothing else runs on the GPU (as at setup)."""
+        check_thresholds(thresholds.score_threshold, thresholds.iou_threshold, thresholds.max_detections)
+        if isinstance(self.postprocess, EndToEnd) and thresholds.iou_threshold != self.thresholds.iou_threshold \
+                and "iou_threshold" not in {s.name for s in self.engine.inputs}:
+            raise ConfigError(f"iou_threshold: {self.model_path.name} runs its own NMS at an IoU of its own (it has "
+                              "no iou_threshold input); leave iou_threshold unset for this model")
+        self.engine.submit(self.engine.bind_scalars, dataclasses.asdict(thresholds)).result()
+        if thresholds != self._captured:
+            self._warm_up_postprocess(thresholds)
+        return thresholds
 
     def _model(self, batch: PreprocessedBatch, slot: int, reader: Future | None, clock: StageClock) -> Launched:
         """The engine on one batch, into the output buffers `slot`, once the postprocess still
@@ -251,22 +267,27 @@ class Detector:
         a GPU, then the heads postprocess once per output slot, so that its compile and its CUDA
         graphs happen now, while nothing else runs on the GPU (a graph captured mid-pipeline
         meets the engine's work queued on its own stream, and the capture fails)."""
-        size_hw = self.preprocessor.height, self.preprocessor.width
-        self.engine.warm_up(self.batch_size, size_hw)
+        self.engine.warm_up(self.batch_size, (self.preprocessor.height, self.preprocessor.width))
+        self._warm_up_postprocess(self.thresholds)
+
+    def _warm_up_postprocess(self, thresholds: Thresholds) -> None:
+        """The heads postprocess on a GPU once per output slot with `thresholds`: its compile and its
+        CUDA graphs for them happen now."""
+        self._captured = thresholds
         if not self.overlap or isinstance(self.postprocess, EndToEnd):
             return
-        n = self.batch_size
+        n, size_hw = self.batch_size, (self.preprocessor.height, self.preprocessor.width)
         for slot in range(self.engine.slots):
             outputs = self.engine.run(self.engine.zero_batch(n, size_hw), slot=slot)
             meta = image_meta(np.ones((n, 2), np.float32), np.zeros((n, 2), np.float32),
                               np.tile(np.array(size_hw, np.int64), (n, 1)))
-            self.postprocess(outputs, meta, num_images=0, thresholds=self.thresholds).to_host()
+            self.postprocess(outputs, meta, num_images=0, thresholds=thresholds).to_host()
 
     def run(self, source, *, root: str | None = None, score_threshold: float | None = None,
             iou_threshold: float | None = None, max_detections: int | None = None,
             on_device: bool = False) -> Iterator[ImageResult | ImageError]:
-        """Per-image results, in order; an image that cannot be processed comes as an ImageError,
-        never as an exception.
+        """Per-image results, in input order; an image that cannot be processed comes as an
+        ImageError in its place, never as an exception.
 
         source: a file list (.txt), a folder, a glob or an image file (str or Path); one image in
         memory; or any iterable (a generator too, read as it is needed) of paths and images in
@@ -278,14 +299,20 @@ class Detector:
         keep = dataclasses.replace(self.thresholds, **{k: v for k, v in (
             ("score_threshold", score_threshold), ("iou_threshold", iou_threshold),
             ("max_detections", max_detections)) if v is not None})
-        failed: deque[ImageError] = deque()
-        for batch, found in self.stream(inputs(source, root), failed.extend, on_device=on_device, thresholds=keep):
-            yield from failed
-            failed.clear()
+        failed: list[tuple[int, ImageError]] = []  # a heap by index: the checks run ahead of the results
+
+        def on_error(errors: list[ImageError]) -> None:
+            for error in errors:
+                heapq.heappush(failed, (error.index, error))
+
+        for batch, found in self.stream(inputs(source, root), on_error, on_device=on_device, thresholds=keep):
             per_image = found.per_image(len(batch.refs))
             for ref, (height, width), found_here in zip(batch.refs, batch.orig_hw.tolist(), per_image):
+                while failed and failed[0][0] < ref.index:
+                    yield heapq.heappop(failed)[1]
                 yield ImageResult.of(ref, height, width, found_here, self.labels)
-        yield from failed
+        while failed:
+            yield heapq.heappop(failed)[1]
 
 
 def inputs(source, root: str | None) -> Iterator[Item]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,12 +266,17 @@ class GraphCache:
     fn(*buffers, *staged, **options): `buffers` are read in place (a new buffer is a new graph);
     `staged` are small tensors that change every batch (the image count, the letterbox meta),
     copied into the graph's own before each replay. Outputs are the graph's own tensors: valid
-    until its next replay. On the CPU, or if a capture fails (logged once), fn simply runs."""
+    until its next replay. On the CPU, or if a capture fails (logged once), fn simply runs.
+
+    Options (the thresholds among them) are part of a graph's key: the graphs of the last
+    MAX_GRAPHS keys are kept, the least recently used one goes first."""
+
+    MAX_GRAPHS = 16
 
     def __init__(self, device: torch.device):
         self.device = device
         self.enabled = device.type == "cuda"
-        self._graphs: dict[tuple, tuple] = {}
+        self._graphs: OrderedDict[tuple, tuple] = OrderedDict()
 
     def __call__(self, fn, buffers: tuple[torch.Tensor, ...], staged: tuple[torch.Tensor, ...], **options):
         if self.enabled:
@@ -298,6 +304,9 @@ class GraphCache:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 outputs = fn(*buffers, *inputs, **options)
             self._graphs[key] = (graph, inputs, pinned, outputs)
+            while len(self._graphs) > self.MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+        self._graphs.move_to_end(key)
         graph, inputs, pinned, outputs = self._graphs[key]
         # A few bytes from the host, ordered before the replay, without a sync. The pinned copy is
         # not rewritten before the copy ran: the caller reads this graph's outputs (a sync) first.

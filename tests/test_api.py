@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pipeline import Detector, DeviceDetections, ImageError, ImageResult
+from pipeline.errors import ConfigError
 from pipeline.source import list_images
 
 from conftest import EXPECTED_FACES, ROOT, SAMPLES, cpu_and_cuda
@@ -176,3 +177,48 @@ def test_a_tensor_on_another_device_is_an_image_error():
     (error,) = detector.run([pixels])
     assert isinstance(error, ImageError) and error.reason == "bad_array"
     assert "cuda:0" in error.message and "cpu" in error.message
+
+
+def test_results_come_in_input_order_with_errors_in_their_place(tmp_path):
+    """The source's checks run ahead of the model: an error found early still comes after the
+    results of the images before it."""
+    (tmp_path / "empty.jpg").write_bytes(b"")
+    photos = [str(p) for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md"]
+    given = (photos + [str(tmp_path / "empty.jpg")]) * 3
+    detector = Detector.from_config(device="cpu", batch_size=2)
+    results = list(detector.run(given))
+    assert [r.index for r in results] == list(range(len(given)))
+    assert [r.index for r in results if isinstance(r, ImageError)] == [6, 13, 20]
+
+
+def test_per_call_thresholds_are_checked(tmp_path):
+    import onnx
+
+    detector = Detector.from_config(device="cpu", batch_size=2)
+    for bad, key in [(dict(max_detections=0), "max_detections"), (dict(max_detections=2.5), "max_detections"),
+                     (dict(score_threshold=-1), "score_threshold"), (dict(iou_threshold=0), "iou_threshold")]:
+        with pytest.raises(ConfigError, match=key):
+            next(detector.run(str(SAMPLES), **bad))
+    assert len(list(detector.run(str(SAMPLES), max_detections=np.int64(1)))) == 6
+    # A model that runs its own NMS at a fixed IoU (no iou_threshold input) cannot take another.
+    model = onnx.load(ROOT / "models" / "retinaface_mnet025.onnx")
+    (graph_input,) = [i for i in model.graph.input if i.name == "iou_threshold"]
+    model.graph.input.remove(graph_input)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([0.4], np.float32), "iou_threshold"))
+    onnx.save(model, tmp_path / "fixed_iou.onnx")
+    fixed = Detector.from_config(device="cpu", model=str(tmp_path / "fixed_iou.onnx"), batch_size=2)
+    with pytest.raises(ConfigError, match="no iou_threshold input"):
+        next(fixed.run(str(SAMPLES), iou_threshold=0.6))
+    assert sum(len(r.scores) for r in fixed.run(str(SAMPLES), score_threshold=0.5)) >= 3
+
+
+@pytest.mark.cuda
+def test_per_call_thresholds_on_the_gpu_are_captured_before_the_stream_runs(caplog):
+    """The heads postprocess runs from CUDA graphs keyed on the thresholds: a run's own are
+    captured as it starts, not mid-pipeline (where a capture fails and the graphs would go)."""
+    detector = Detector.from_config(device="cuda", batch_size=4)
+    default = [len(r.scores) for r in detector.run(str(SAMPLES))]
+    looser = [len(r.scores) for r in detector.run(str(SAMPLES), score_threshold=0.3, max_detections=2)]
+    again = [len(r.scores) for r in detector.run(str(SAMPLES))]
+    assert detector.postprocess.graphs.enabled and "capture failed" not in caplog.text
+    assert default == again and sum(looser) > sum(default) and max(looser) == 2
