@@ -36,7 +36,7 @@ from .config import Config
 from .detector import Detector
 from .engine import SCALAR_INPUTS
 from .preprocess import Preprocessor, preprocess_stream
-from .results import ImageError, ImageRef, detection_records
+from .results import ImageError, ImageRef
 from .errors import SourceError
 from .sinks import OutputFolder, read_complete_records
 from .source import EncodedImage, list_images, read_checked
@@ -130,7 +130,7 @@ def gpudet_passes(refs: list[ImageRef], detector: Detector, passes: int = 1, *, 
             with OutputFolder(tmp) as folder, folder.writing():
                 for batch, found in detector.stream(refs, folder.fail, clock=clock):
                     with clock("write"):
-                        folder.record(detection_records(batch.refs, batch.orig_hw, found, detector.labels))
+                        folder.record(batch, found, detector.labels)
             seconds = time.perf_counter() - start
             failed = read_complete_records(folder.files[1])
         t = folder.tally

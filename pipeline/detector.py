@@ -10,7 +10,6 @@ hands it to the caller.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import heapq
 import logging
 import os
@@ -27,12 +26,11 @@ import torch
 
 from .config import Config, RunConfig, check_thresholds, load_config, option_overrides, resolve_model_path
 from .device import Device, free_bytes, resolve_device
-from .engine import Engine, Launched, detect_contract, landmark_points
+from .engine import Engine, Launched, detect_contract, landmark_points, model_record
 from .errors import ConfigError
-from .postprocess import (DeviceDetections, EndToEnd, PackedDetections, RetinaNetHeads, SsdHeads, Thresholds,
-                          image_meta)
+from .postprocess import DeviceDetections, EndToEnd, RetinaNetHeads, SsdHeads, Thresholds, image_meta
 from .preprocess import PreprocessedBatch, Preprocessor, preprocess_stream
-from .results import Detections, ImageError, ImageRef, ImageResult
+from .results import Detections, ImageError, ImageResult
 from .source import FLUSH, EncodedImage, Item, PixelImage, as_item, batched, list_images, read_chunks, within_pixels
 from .timing import StageClock
 
@@ -125,9 +123,8 @@ class Detector:
     def describe(self) -> dict:
         """What runs: the model file (path, sha256), its contract, inputs and outputs, ORT's providers."""
         engine = self.engine
-        return {"path": str(self.model_path), "sha256": hashlib.sha256(self.model_path.read_bytes()).hexdigest(),
-                "contract": self.contract, "inputs": [s.describe() for s in engine.inputs],
-                "outputs": [s.describe() for s in engine.outputs], "providers": engine.session.get_providers()}
+        return {**model_record(self.model_path, self.contract, engine.inputs, engine.outputs),
+                "providers": engine.session.get_providers()}
 
     def stream(self, items: Iterable[Item], on_error: Callable[[list[ImageError]], None], *,
                clock: StageClock | None = None, on_device: bool = False, thresholds: Thresholds | None = None

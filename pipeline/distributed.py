@@ -34,7 +34,7 @@ import numpy as np
 
 from .config import Config, resolve_model_path
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, ConfigError, GpudetError, catch_signals
-from .results import ImageError, ImageRef, detection_records
+from .results import ImageError, ImageRef
 from .sinks import SHARDS, OutputFolder, RunResult
 from .source import FLUSH, batched, list_images
 
@@ -110,9 +110,7 @@ class DetectActor:
         try:
             with self.shard.writing():
                 for batch, found in self.detector.stream_batches(batches(), failed):
-                    records = detection_records(batch.refs, batch.orig_hw, found, self.detector.labels)
-                    self.shard.record(records)
-                    for record in records:
+                    for record in self.shard.record(batch, found, self.detector.labels):
                         recorded(record["index"], True, len(record["detections"]))
         except BaseException as e:  # the actor cannot go on: every request, waiting or queued, fails with the reason
             with self.lock:
@@ -131,8 +129,8 @@ def check_before_starting(config: Config) -> dict:
     not in every actor: the summary of the one a GPU actor loads."""
     from .modelinfo import model_summary
 
-    on_cpu = model_summary(resolve_model_path(config, on_cpu=True))
-    return on_cpu if config.run.device == "cpu" else model_summary(resolve_model_path(config))
+    on_cpu = model_summary(resolve_model_path(config, on_cpu=True), config.model.contract)
+    return on_cpu if config.run.device == "cpu" else model_summary(resolve_model_path(config), config.model.contract)
 
 
 def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str | None = None, workers: int = 2,

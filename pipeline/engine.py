@@ -37,6 +37,7 @@ engine's stream would not wait for them.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Callable
@@ -473,6 +474,12 @@ CONTRACTS = {
     "ssd_heads": ({"loc": 3, "conf": 3}, {"landmarks": 3}),
     "retinanet_heads": ({"cls_logits": 3, "bbox_regression": 3}, {}),
 }
+
+
+def model_record(path: Path, contract: str, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> dict:
+    """What summary.json says of a model: its file (path, sha256), contract, inputs and outputs."""
+    return {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "contract": contract,
+            "inputs": [s.describe() for s in inputs], "outputs": [s.describe() for s in outputs]}
 
 
 def detect_contract(outputs: list[TensorSpec], requested: str, model_path: Path) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import tempfile
 from collections import Counter
@@ -14,7 +13,8 @@ import onnxruntime as ort
 import torch
 
 from .device import cuda_problem
-from .engine import ORT_TO_TORCH, TORCH_TO_NUMPY, TensorSpec, check_external_data, detect_contract, find_image_input
+from .engine import (ORT_TO_TORCH, TORCH_TO_NUMPY, TensorSpec, check_external_data, detect_contract, find_image_input,
+                     model_record)
 from .errors import ModelError
 from .postprocess import RETINANET_METADATA
 
@@ -29,19 +29,17 @@ def declared_io(model_path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
             [TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_outputs()])
 
 
-def model_summary(path: Path) -> dict:
-    """What summary.json says of a model, read without running it: path, sha256, contract, inputs,
-    outputs. A model gpudet cannot use raises ModelError (unreadable, external data outside its
-    folder, no contract)."""
+def model_summary(path: Path, contract: str = "auto") -> dict:
+    """What summary.json says of a model (engine.model_record), read without running it; contract:
+    the config's model.contract. A model gpudet cannot use raises ModelError (unreadable, external
+    data outside its folder, no contract)."""
     check_external_data(path)
     try:
         inputs, outputs = declared_io(path)
     except Exception as e:  # ORT raises several types for unreadable or invalid models
         raise ModelError(f"{path}: ONNX Runtime cannot load it: {e}") from None
     find_image_input(inputs, path)
-    return {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-            "contract": detect_contract(outputs, "auto", path), "inputs": [s.describe() for s in inputs],
-            "outputs": [s.describe() for s in outputs]}
+    return model_record(path, detect_contract(outputs, contract, path), inputs, outputs)
 
 
 def cuda_placement(model_path: Path, size_hw: tuple[int, int] | None, *, device_index: int = 0,

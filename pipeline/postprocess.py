@@ -67,13 +67,6 @@ class DeviceDetections:
     labels: torch.Tensor  # int64 [M]
     landmarks: torch.Tensor | None  # float32 [M, K, 2]
 
-    @staticmethod
-    def concatenate(parts: list[DeviceDetections]) -> DeviceDetections:
-        return DeviceDetections(
-            batch_index=torch.cat([p.batch_index for p in parts]), boxes_xyxy=torch.cat([p.boxes_xyxy for p in parts]),
-            scores=torch.cat([p.scores for p in parts]), labels=torch.cat([p.labels for p in parts]),
-            landmarks=None if parts[0].landmarks is None else torch.cat([p.landmarks for p in parts]))
-
     def on_device(self) -> DeviceDetections:
         return self
 

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import numpy as np
 from nvidia.dali import fn, pipeline_def, types
 
+from .config import PreprocessConfig
 from .device import Device
 from .errors import GpudetError
 from .results import ImageError, ImageRef
@@ -36,9 +37,8 @@ from .source import FLUSH, EncodedImage, PixelImage
 
 _END = object()
 
-# Share of each batch's JPEGs given to the hardware JPEG decoder (A100, H100, H200); nvJPEG decodes
-# the rest on the SMs. DALI's default is 0.65; 0.9 decoded faster on the H200 (docs/BENCHMARKS.md).
-HW_DECODER_LOAD = 0.9
+HW_DECODER_LOAD = PreprocessConfig.hw_decoder_load
+"""Share of each batch's JPEGs given to the hardware JPEG decoder (config: preprocess.hw_decoder_load)."""
 
 
 @dataclass

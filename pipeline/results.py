@@ -52,18 +52,6 @@ class Detections:
         assert self.boxes_xyxy.shape == (m, 4) and self.scores.shape == (m,) and self.labels.shape == (m,)
         assert self.landmarks is None or (self.landmarks.shape[0] == m and self.landmarks.shape[2] == 2)
 
-    @staticmethod
-    def concatenate(parts: list[Detections]) -> Detections:
-        return Detections(
-            batch_index=np.concatenate([p.batch_index for p in parts]),
-            boxes_xyxy=np.concatenate([p.boxes_xyxy for p in parts]),
-            scores=np.concatenate([p.scores for p in parts]),
-            labels=np.concatenate([p.labels for p in parts]),
-            landmarks=None if parts[0].landmarks is None else np.concatenate([p.landmarks for p in parts]))
-
-    def rows_of(self, image: int) -> np.ndarray:
-        return np.flatnonzero(self.batch_index == image)
-
     def per_image(self, count: int) -> list[Detections]:
         """The rows of images 0..count-1, each as its own Detections (batch_index 0)."""
         ends = np.searchsorted(self.batch_index, np.arange(1, count + 1), side="left").tolist()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .config import Config
 from .detector import Detector
-from .results import ImageError, ImageRef, detection_records
+from .results import ImageError, ImageRef
 from .sinks import OutputFolder, RunResult
 from .source import list_images
 from .timing import StageClock, process_seconds
@@ -49,7 +49,7 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, s
         try:
             for batch, found in detector.stream(todo, failed, clock=clock):  # the data path
                 with clock("write"):  # sinks: one JSONL record per image
-                    folder.record(detection_records(batch.refs, batch.orig_hw, found, detector.labels))
+                    folder.record(batch, found, detector.labels)
                 bar.update(len(batch.refs))
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was written stays; --resume continues
             folder.tally.interrupted = True

@@ -31,7 +31,7 @@ import orjson
 
 from ._version import __version__
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, OutputError, OutputWriteError
-from .results import ImageError, ImageRef
+from .results import Detections, ImageError, ImageRef, detection_records
 
 RESULT_FILES = ("detections.jsonl", "errors.jsonl")
 SHARDS = "shards"
@@ -239,8 +239,7 @@ class OutputFolder:
     @contextmanager
     def writing(self) -> Iterator[OutputFolder]:
         """The two JSONL files open for this run: appended to with --resume, else started anew.
-        An earlier run's summary.json goes first: a summary always describes the run that wrote it."""
-        (self.path / "summary.json").unlink(missing_ok=True)
+        Call `begin` first (a --devices worker's shard: its parent removes the shard's summary)."""
         with JsonlWriter(self.files[0], append=self.resume) as results, \
                 JsonlWriter(self.files[1], append=self.resume) as errors:
             self._writers = (results, errors)
@@ -249,11 +248,14 @@ class OutputFolder:
             finally:
                 self._writers = None
 
-    def record(self, records: list[dict]) -> None:
-        """A batch's detection records (detection_records), one write."""
+    def record(self, batch, found: Detections, labels: list[str]) -> list[dict]:
+        """A batch's records (one per image: detection_records of its refs, original sizes and
+        detections), one write; returns them."""
+        records = detection_records(batch.refs, batch.orig_hw, found, labels)
         self._writers[0].append(records)
         for record in records:
             self.tally.count(RESULT_FILES[0], record)
+        return records
 
     def fail(self, errors: list[ImageError]) -> None:
         """Images that could not be processed, one write."""

@@ -259,15 +259,18 @@ def read_checked(ref: ImageRef, max_pixels: int = 0, max_bytes: int = 0) -> Enco
         return ImageError(ref.index, ref.path, "not_a_file", f"is {kind}, not an image file: only regular files "
                                                              "are read")
     except FileTooLarge as e:
-        return ImageError(ref.index, ref.path, "too_large", f"the file is {e.size:,} bytes, over the cap of "
-                                                            f"{max_bytes:,} (raise preprocess.max_file_mb if it is "
-                                                            "genuine)")
+        return over_cap(ref, e.size, max_bytes)
     except OSError as e:
         return ImageError(ref.index, ref.path, "unreadable", f"cannot read: {e.strerror or e}")
     except ValueError:  # no file name holds a NUL byte (a binary file given as the list, say)
         return ImageError(ref.index, ref.path, "unreadable",
                           "the path holds a NUL byte, which no file name can; check the list")
     return checked_bytes(EncodedImage(ref, np.frombuffer(data, dtype=np.uint8)), max_pixels)
+
+
+def over_cap(ref: ImageRef, size: int, max_bytes: int) -> ImageError:
+    return ImageError(ref.index, ref.path, "too_large", f"{size:,} bytes, over the cap of {max_bytes:,} (raise "
+                                                        "preprocess.max_file_mb if the image is genuine)")
 
 
 def checked_bytes(item: EncodedImage, max_pixels: int = 0) -> EncodedImage | ImageError:
@@ -372,8 +375,7 @@ def checked(item: Item | ImageError, max_pixels: int = 0, max_bytes: int = 0) ->
         return read_checked(item, max_pixels, max_bytes)
     if isinstance(item, EncodedImage):
         if max_bytes and len(item.data) > max_bytes:
-            return ImageError(item.ref.index, item.ref.path, "too_large", f"{len(item.data):,} bytes, over the cap "
-                                                                          f"of {max_bytes:,}")
+            return over_cap(item.ref, len(item.data), max_bytes)
         return checked_bytes(item, max_pixels)
     if max_pixels and item.pixels > max_pixels:
         return ImageError(item.ref.index, item.ref.path, "too_large", f"{item.pixels:,} pixels, over the limit of "
@@ -386,14 +388,6 @@ def read_all(items: Sequence[Item], max_pixels: int = 0,
     return [checked(item, max_pixels, max_bytes) for item in items]
 
 
-def read_batches(items: Iterable[Item], *, batch_size: int, num_threads: int, max_pixels: int = 0,
-                 max_bytes: int = 0, lookahead: int = 2) -> Iterator[list[EncodedImage | PixelImage | ImageError]]:
-    """Yield batches of read-and-checked images in order, reading `lookahead` batches ahead on
-    num_threads threads. `items` is consumed as the batches are read, so it may be a generator."""
-    return read_chunks(batched(items, batch_size), batch_size=batch_size, num_threads=num_threads,
-                       max_pixels=max_pixels, max_bytes=max_bytes, lookahead=lookahead)
-
-
 FLUSH = None
 """A batch that says: nothing more for now. A stream fed by requests (the Ray actor's) sends it
 when none is waiting; each stage hands on what it holds, then the mark."""
@@ -401,8 +395,9 @@ when none is waiting; each stage hands on what it holds, then the mark."""
 
 def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_threads: int, max_pixels: int = 0,
                 max_bytes: int = 0, lookahead: int = 2) -> Iterator[list[EncodedImage | PixelImage | ImageError] | None]:
-    """read_batches over batches the caller formed (each at most batch_size, or FLUSH), each as
-    it comes. One task per thread's share of a batch's consecutive files, not one per file
+    """Each batch (at most batch_size items, or FLUSH) read and checked, in order, `lookahead`
+    batches read ahead on num_threads threads; `chunks` is taken as it is needed, so it may be a
+    generator. One task per thread's share of a batch's consecutive files, not one per file
     (fewer hand-offs: on a 2-core machine one thread read twice as fast this way)."""
     step = -(-batch_size // max(1, num_threads))
     with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="gpudet-read") as pool:

@@ -5,7 +5,6 @@ import json
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 

@@ -6,7 +6,7 @@ import pytest
 
 from pipeline.errors import SourceError
 from pipeline.results import ImageError, ImageRef
-from pipeline.source import EncodedImage, NotAFile, list_images, read_batches, read_checked, read_file
+from pipeline.source import EncodedImage, NotAFile, batched, list_images, read_checked, read_chunks, read_file
 
 from conftest import SAMPLES, read_jsonl
 
@@ -90,6 +90,10 @@ def test_read_checked_reasons(tmp_path):
     assert "hello" not in reasons["text.jpg"].message  # the reason, never the file's bytes
     good = read_checked(ImageRef(3, str(SAMPLES / "china.jpg")))
     assert isinstance(good, EncodedImage) and good.data.nbytes == (SAMPLES / "china.jpg").stat().st_size
+
+
+def read_batches(refs, *, batch_size, **options):
+    return read_chunks(batched(refs, batch_size), batch_size=batch_size, **options)
 
 
 def test_read_batches_keeps_order_and_a_smaller_last_batch():
