@@ -2,7 +2,8 @@
 
 Inputs: the preprocessed batch is bound with `OrtValue.from_dlpack` on DALI's own buffer (no host
 copy, no device copy). Scalar postprocess inputs some models declare (`score_threshold`,
-`iou_threshold`, `max_detections`) are bound once, on the host, where ORT's kernels read them.
+`iou_threshold`, `max_detections`) are bound on the host, where ORT's kernels read them, when a
+stream starts (each stream may bring its own thresholds).
 
 Outputs: an output whose shape is known once the batch size is known is bound to a preallocated
 torch buffer on the device, `slots` per batch size (two by default: the caller postprocesses one

@@ -7,8 +7,9 @@ Batches are submitted ahead (`submit`) and collected in order (`result`), so DAL
 next batches on its own threads while the caller runs the model on this one.
 
 Hand-off rules, where the batch leaves DALI (read before touching `PreprocessedBatch.images`):
-- `result()` asks DALI for outputs without a CUDA stream, so DALI waits for its own stream
-  before returning: the images are complete and may be read on any stream.
+- `result()` may return images DALI's kernels are still writing on DALI's stream: a reader on
+  the GPU takes them through DLPack naming its own stream (`__dlpack__(stream=...)`, as the
+  engine does), which DALI then makes wait for its writes.
 - DALI's default (dynamic) executor hands out reference-counted buffers: the images stay valid
   while `PreprocessedBatch` holds them, also while later batches run (a test checks this). The
   engine binds that buffer itself through DLPack; nothing is copied.
@@ -126,7 +127,8 @@ class PreprocessFailure(RuntimeError):
 
 
 class Preprocessor:
-    """Runs the DALI graph on batches of encoded images, several batches in flight."""
+    """Runs the DALI graph on batches of images, several in flight: encoded bytes, or decoded
+    pixels on the host or on the GPU (`source`, one pipeline each)."""
 
     def __init__(self, *, device: Device, batch_size: int, num_threads: int, height: int, width: int,
                  resize: Literal["letterbox", "stretch"], channel_order: Literal["RGB", "BGR"],

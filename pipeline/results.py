@@ -29,7 +29,7 @@ class ImageError:
     path: str
     reason: str
     """Stable code: missing, not_a_file, unreadable, empty, unknown_format, bad_header, too_large,
-    decode_failed (README, "When things go wrong")."""
+    decode_failed, bad_array (README, "When things go wrong")."""
     message: str
 
     def to_record(self) -> dict:
