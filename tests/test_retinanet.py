@@ -220,10 +220,8 @@ def test_heads_model_gives_torchvisions_detections(exported, images, reference, 
     ones, zeros = np.ones((BATCH, 2), np.float32), np.zeros((BATCH, 2), np.float32)
     meta = image_meta(ones, zeros, np.array([SIZE] * BATCH), torch.device("cpu"))
     found = post(outputs, meta, num_images=BATCH, thresholds=Thresholds(**thresholds)).to_host()
-    for b, expected in enumerate(reference):
-        rows = found.rows_of(b)
-        assert_same_detections(found.boxes_xyxy[rows], found.scores[rows], found.labels[rows], expected,
-                               box_tol=0.5, score_tol=1e-4)
+    for here, expected in zip(found.per_image(BATCH), reference):
+        assert_same_detections(here.boxes_xyxy, here.scores, here.labels, expected, box_tol=0.5, score_tol=1e-4)
 
 
 @cpu_and_cuda()
@@ -413,18 +411,15 @@ def test_the_compiled_postprocess_keeps_the_same_detections(exported, images, re
         a = plain(outputs, meta, num_images=BATCH, thresholds=Thresholds(**options)).to_host()
         b = compiled(outputs, meta, num_images=BATCH, thresholds=Thresholds(**options)).to_host()
         assert compiled._packed.compiled is not None, "torch.compile failed (see the warning)"
-        for i in range(BATCH):  # the plain kernels' detections, as torchvision's would be compared
-            rows_a, rows_b = a.rows_of(i), b.rows_of(i)
-            plain_found = {"boxes": torch.from_numpy(a.boxes_xyxy[rows_a]),
-                           "scores": torch.from_numpy(a.scores[rows_a]),
-                           "labels": torch.from_numpy(a.labels[rows_a])}
-            assert_same_detections(b.boxes_xyxy[rows_b], b.scores[rows_b], b.labels[rows_b], plain_found,
+        for here_a, here_b in zip(a.per_image(BATCH), b.per_image(BATCH)):  # as torchvision's would be compared
+            plain_found = {"boxes": torch.from_numpy(here_a.boxes_xyxy), "scores": torch.from_numpy(here_a.scores),
+                           "labels": torch.from_numpy(here_a.labels)}
+            assert_same_detections(here_b.boxes_xyxy, here_b.scores, here_b.labels, plain_found,
                                    box_tol=1e-3, score_tol=1e-5)
         if score_threshold > 0:
-            for i, expected in enumerate(reference):
-                rows = b.rows_of(i)
-                assert_same_detections(b.boxes_xyxy[rows], b.scores[rows], b.labels[rows], expected,
-                                       box_tol=0.5, score_tol=1e-4)
+            for here, expected in zip(b.per_image(BATCH), reference):
+                assert_same_detections(here.boxes_xyxy, here.scores, here.labels, expected, box_tol=0.5,
+                                       score_tol=1e-4)
 
 def test_the_benchmark_script_runs(tmp_path):
     """scripts/bench_retinanet.py end to end at a toy size on this machine (the H200 numbers in
