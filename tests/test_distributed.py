@@ -140,7 +140,7 @@ def test_an_actor_whose_stream_stops_fails_every_request_instead_of_hanging(tmp_
 
     actor = DetectActor(load_config(None, ["run.device=cpu", "run.batch_size=2"]), str(tmp_path / "shards"))
 
-    def disk_full(records):
+    def disk_full(*batch):
         raise OutputWriteError(actor.shard.files[0], OSError(errno.ENOSPC, "No space left on device"))
 
     actor.shard.record = disk_full
