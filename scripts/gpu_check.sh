@@ -2,7 +2,7 @@
 # What we run on a GPU machine before a change to the GPU path lands, and where docs/BENCHMARKS.md's
 # numbers come from. Needs gpudet's dependencies importable (PYTHONPATH) and nvidia-smi.
 #
-#   OUT=DIR bash scripts/gpu_check.sh tests       # every test, the cuda-marked ones included
+#   OUT=DIR bash scripts/gpu_check.sh tests       # the cuda-marked tests (TESTS="a.py b.py::test": only those)
 #   OUT=DIR bash scripts/gpu_check.sh retinaface  # gpudet bench per config, then the default detect over 106,288 images
 #   OUT=DIR bash scripts/gpu_check.sh retinanet   # scripts/bench_retinanet.py at the realistic load
 #   OUT=DIR bash scripts/gpu_check.sh ray         # --ray --workers 1 against one process, 15,184 images
@@ -33,7 +33,7 @@ case "${1:-}" in
   tests)
     versions | tee "$OUT/versions.txt"
     # pytest-xdist: several test processes share the GPU
-    $PY -m pytest -q -rs -p no:cacheprovider ${JOBS:+-n $JOBS} -m "${MARK:-cuda}" --durations=8 "${TESTS:-$ROOT/tests}" \
+    $PY -m pytest -q -rs -p no:cacheprovider ${JOBS:+-n $JOBS} -m "${MARK:-cuda}" --durations=8 ${TESTS:-$ROOT/tests} \
       2>&1 | tee "$OUT/pytest.log" | grep -E "passed|failed|FAILED|ERROR" | tail -30
     ;;
   retinaface)
@@ -49,9 +49,10 @@ case "${1:-}" in
         --json "$OUT/bench_$tag.json") 2>&1 | quiet | tee -a "$OUT/bench.txt"
     done
     # The default command over 106,288 images, timed from the shell: what a user meets.
-    start=$(date +%s.%N)
+    start=$(date +%s%N)
     $PY -m pipeline detect "$IMAGES/jpg_x28.txt" --out /tmp/gpudet-x28 --overwrite 2>&1 | quiet | tee "$OUT/detect_x28.txt"
-    echo "wall clock from the shell: $(echo "$(date +%s.%N) - $start" | bc) s" | tee -a "$OUT/detect_x28.txt"
+    elapsed_ms=$(( ($(date +%s%N) - start) / 1000000 ))
+    printf 'wall clock from the shell: %d.%03d s\n' $((elapsed_ms / 1000)) $((elapsed_ms % 1000)) | tee -a "$OUT/detect_x28.txt"
     cp /tmp/gpudet-x28/summary.json "$OUT/detect_x28_summary.json"
     ;;
   retinanet)
