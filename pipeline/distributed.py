@@ -246,9 +246,8 @@ def ray_messages():
     def forward() -> None:
         with os.fdopen(read, "r", errors="replace") as lines:
             for line in lines:
-                if line.strip():  # Ray's INFO lines (Python's, and the C++ "I" ones) as gpudet's debug
-                    info = "\tINFO " in line or re.match(r"\[[^]]* I \d+ \d+\]", line)
-                    gpudet.log(logging.DEBUG if info else logging.WARNING, "ray: %s", line.rstrip())
+                if line.strip():
+                    gpudet.log(ray_level(line), "ray: %s", line.rstrip())
 
     reader = threading.Thread(target=forward, name="gpudet-ray-stderr", daemon=True)
     reader.start()
@@ -262,6 +261,16 @@ def ray_messages():
         gpudet.handlers[:] = handlers
         handler.close()
         stderr.close()
+
+
+def ray_level(line: str) -> int:
+    """The level a line Ray wrote to stderr is logged at by gpudet: Ray's info as debug, its warnings
+    (advice about its own settings, which gpudet chose) as info, its errors and anything else as
+    warnings. Python's lines carry "\tLEVEL ", the C++ core's "[date time L pid tid]"."""
+    python = re.search(r"\t(DEBUG|INFO|WARNING|ERROR|CRITICAL) ", line)
+    core = re.match(r"\[[^]]* ([DIWEF]) \d+ \d+\]", line)
+    level = python.group(1)[0] if python else core.group(1) if core else "?"
+    return {"D": logging.DEBUG, "I": logging.DEBUG, "W": logging.INFO}.get(level, logging.WARNING)
 
 
 def start_ray(ray, address: str | None, workers: int) -> None:

@@ -170,3 +170,15 @@ def test_progress_is_a_bar_on_stderr_not_a_warning_from_ray(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     bar = [line for line in run.stderr.replace("\r", "\n").splitlines() if "6/6" in line]
     assert bar and not any(line.startswith("gpudet:") for line in bar), run.stderr[-3000:]
+
+
+def test_rays_own_lines_are_logged_at_their_level():
+    import logging
+
+    from pipeline.distributed import ray_level
+
+    assert ray_level("2026-12-01 12:24:57,049\tWARNING __init__.py:28 -- Progress bars disabled.") == logging.INFO
+    assert ray_level("2026-12-01 12:24:57,049\tINFO worker.py:1 -- Started a local Ray instance.") == logging.DEBUG
+    assert ray_level("[2026-12-01 12:24:57,048 E 1181 1181] core_worker.cc:2465: Actor ...") == logging.WARNING
+    assert ray_level("[2026-12-01 12:24:57,048 W 1181 1181] gcs_client.cc:1: slow") == logging.INFO
+    assert ray_level("Traceback (most recent call last):") == logging.WARNING
