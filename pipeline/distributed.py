@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import queue
 import re
@@ -50,7 +51,8 @@ class DetectActor:
     stream on a thread of its own (DALI and the engine stay full across Ray's batches while Ray
     keeps several in flight: `__call__` is async). Records go to the actor's own shard of the
     output folder; Ray gets back one row per image: its index, whether it was processed, its
-    detections."""
+    detections, and when this actor took its first image (epoch seconds: the driver's rate starts
+    there, not at the first row back, which comes only after a whole Ray batch)."""
 
     def __init__(self, config: Config, shards: str):
         from .detector import Detector
@@ -61,20 +63,24 @@ class DetectActor:
         self.failure: BaseException | None = None
         """Why the stream ended, if it did: every request from then on fails with it."""
         self.lock = threading.Lock()
+        self.first_taken: float | None = None
         self.thread = threading.Thread(target=self._serve, name="gpudet-ray-stream", daemon=True)
         self.thread.start()
 
     async def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         refs = [ImageRef(int(i), str(p)) for i, p in zip(batch["index"], batch["path"], strict=True)]
         if not refs:
-            return {"index": np.zeros(0, np.int64), "processed": np.zeros(0, bool), "detections": np.zeros(0, np.int64)}
+            return {"index": np.zeros(0, np.int64), "processed": np.zeros(0, bool), "detections": np.zeros(0, np.int64),
+                    "first_taken": np.zeros(0)}
+        self.first_taken = self.first_taken or time.time()
         done: Future = Future()
         with self.lock:  # a request is either queued before the stream ends (and failed by it) or refused
             if self.failure is not None:
                 raise RuntimeError(f"this actor's detector stopped: {self.failure!r}") from self.failure
             self.requests.put((refs, done))
         rows = await asyncio.wrap_future(done)
-        return {name: np.array(values) for name, values in zip(("index", "processed", "detections"), zip(*rows))}
+        columns = {name: np.array(values) for name, values in zip(("index", "processed", "detections"), zip(*rows))}
+        return {**columns, "first_taken": np.full(len(rows), self.first_taken)}
 
     def _serve(self) -> None:
         """The stream over every request's images, in arrival order, in the detector's batches,
@@ -163,7 +169,7 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
         missing = len(todo) - folder.tally.processed - folder.tally.failed
         summary = folder.write_summary(
             source=str(source), images=len(refs), todo=len(todo), device=f"ray ({workers} actors)",
-            # stream: from the first image's row to the last, the rate once the actors run
+            # stream: from the first image an actor took to the last row back, the rate once the actors run
             seconds={"total": elapsed, "stream": streaming}, loop_seconds=streaming or elapsed, started=started_at,
             model=model,
             config=config.to_dict(),
@@ -209,7 +215,8 @@ def stream(ray, todo: list[ImageRef], config: Config, shards: Path, workers: int
            progress: TextIO | None) -> float:
     """The actor pool over `todo`, waiting for every image's row (a progress bar counts them on
     `progress`, the terminal's stderr, where given).
-    Returns the seconds from the first row to the last: the rate once the actors run."""
+    Returns the seconds from the first image an actor took to the last row back: the rate once
+    the actors run (Ray's and the actors' start before it)."""
     from tqdm import tqdm
 
     dataset = ray.data.from_items([{"index": r.index, "path": r.path} for r in todo])
@@ -217,13 +224,13 @@ def stream(ray, todo: list[ImageRef], config: Config, shards: Path, workers: int
                                    batch_size=config.run.batch_size * RAY_BATCH,
                                    compute=ray.data.ActorPoolStrategy(size=workers),
                                    num_gpus=gpus, num_cpus=1, batch_format="numpy")
-    first = last = None
+    first, last = math.inf, None
     with tqdm(total=len(todo), unit="img", disable=progress is None, file=progress, dynamic_ncols=True) as bar:
         for rows in detected.iter_batches(batch_size=None, batch_format="numpy"):
-            last = time.perf_counter()
-            first = first or last
+            last = time.time()
+            first = min(first, float(rows["first_taken"].min()))
             bar.update(len(rows["index"]))
-    return (last - first) if first else 0.0
+    return (last - first) if last is not None else 0.0
 
 
 @contextmanager
