@@ -41,9 +41,10 @@ from .source import FLUSH, batched, list_images
 
 log = logging.getLogger("gpudet")
 SHARD_PREFIX = "ray-"
-RAY_BATCH = 16
-"""Detector batches per Ray batch: Ray's cost per batch (scheduling, the object store) is paid
-once per this many, while the actor's stream keeps its pipeline full across them."""
+RAY_BATCH = 128
+"""Detector batches per Ray batch: Ray's cost per batch (scheduling, the object store, the actor's
+answer) is paid once per this many images (4,096 at batch 32, under a second of an H200's work),
+while the actor's stream keeps its pipeline full across them (docs/BENCHMARKS.md, "--ray")."""
 
 
 class DetectActor:
