@@ -13,7 +13,7 @@ import shlex
 import sys
 
 from ._version import __version__
-from .errors import EXIT_OK, EXIT_SOME_FAILED, ConfigError, catch_signals, guarded, setup_logging
+from .errors import EXIT_OK, EXIT_SOME_FAILED, ConfigError, catch_signals, guarded, setup_logging, signals_held
 
 log = logging.getLogger("gpudet")
 
@@ -48,11 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
                                           "cuda:0,cuda:2 | cpu,cpu (results merged into --out)")
     detect.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
                         help="run on a Ray cluster (ADDRESS, e.g. ray://head:10001; none: a local one)")
-    detect.add_argument("--workers", type=int, default=2, help="--ray: detector actors (default 2)")
+    detect.add_argument("--workers", type=int, help="--ray: detector actors (default 2)")
     again = detect.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true",
                        help="continue a run in --out: skip images already in detections.jsonl or errors.jsonl")
     again.add_argument("--overwrite", action="store_true", help="start again, replacing results already in --out")
+    detect.add_argument("--retry-failed", action="store_true",
+                        help="with --resume: also process again the images errors.jsonl lists (after fixing them)")
 
     coco = argparse.ArgumentParser(add_help=False)
     coco.add_argument("detections", help="detections.jsonl written by gpudet detect")
@@ -102,29 +104,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_detect(args: argparse.Namespace) -> int:
     from .config import load_config, option_overrides
-    from .runner import run_detect
+
+    with signals_held():
+        from .runner import run_detect
 
     overrides = args.overrides + option_overrides(model=args.model, device=args.device, batch_size=args.batch_size)
     config = load_config(args.config, overrides)
     progress = False if args.quiet else args.progress
-    options = dict(root=args.root, progress=progress, resume=args.resume, overwrite=args.overwrite)
-    if args.devices and args.ray is not None:
+    options = dict(root=args.root, progress=progress, resume=args.resume, overwrite=args.overwrite,
+                   retry_failed=args.retry_failed)
+    if args.retry_failed and not args.resume:
+        raise ConfigError("--retry-failed goes with --resume: it processes again what an earlier run into --out "
+                          "recorded as failed")
+    if args.devices is not None and args.ray is not None:
         raise ConfigError("--devices and --ray do not go together: Ray places one actor per GPU itself")
-    if args.devices:
+    if args.workers is not None and args.ray is None:
+        raise ConfigError("--workers is the number of --ray actors; without --ray, use --devices for several "
+                          "devices of this host")
+    if args.devices is not None:
         from .parallel import parse_devices, run_on_devices
 
         result = run_on_devices(args.source, args.out, config, parse_devices(args.devices), **options)
     elif args.ray is not None:
         from .distributed import run_on_ray
 
-        result = run_on_ray(args.source, args.out, config, address=args.ray or None, workers=args.workers, **options)
+        result = run_on_ray(args.source, args.out, config, address=args.ray or None,
+                            workers=2 if args.workers is None else args.workers, **options)
     else:
         result = run_detect(args.source, args.out, config, **options)
     s = result.summary
     for failure in s.get("failed_workers", []):
         log.error("%s; what it wrote is kept, run again with --resume", failure)
-    log.info("run finished", extra={"summary": {k: s[k] for k in ("images", "already_done", "processed", "failed",
-                                                                  "detections", "images_per_s", "interrupted")}})
+    keys = ("images", "already_done", "already_failed", "processed", "failed", "detections", "images_per_s",
+            "interrupted")
+    log.info("run finished", extra={"summary": {k: s[k] for k in keys}})
     if s["interrupted"]:
         log.error("interrupted; results so far are complete; continue with --resume")
     if not args.quiet:
@@ -141,7 +154,8 @@ def say(text: str) -> None:
 
 
 def summary_table(s: dict) -> str:
-    done = f" (+{s['already_done']} done before)" if s["already_done"] else ""
+    failed_before = f", {s['already_failed']} of them failed" if s.get("already_failed") else ""
+    done = f" (+{s['already_done']} done before{failed_before})" if s["already_done"] else ""
     seconds = s["seconds"]
     took = f"{seconds['wall']:.2f}s from the command" if "wall" in seconds else f"{seconds['total']:.2f}s"
     setup = f"start {seconds['startup']:.2f}s + setup {seconds['setup']:.2f}s, then " if "setup" in seconds else ""
@@ -180,7 +194,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .coco import evaluate, load_annotations, read_detections, to_coco_results
 
     gt = load_annotations(args.annotations, for_eval=True)
-    results, unmatched = to_coco_results(read_detections(args.detections), gt)
+    matched: set[int] = set()
+    results, unmatched = to_coco_results(read_detections(args.detections), gt, matched)
+    if len(matched) < len(gt["images"]):
+        log.warning("%d of the %d annotated images have no record in %s: they count as images where nothing was "
+                    "found (evaluate a finished run, or an annotation file of the images it detected)",
+                    len(gt["images"]) - len(matched), len(gt["images"]), args.detections)
     metrics = evaluate(gt, results)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
@@ -207,7 +226,8 @@ def cmd_draw(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .modelinfo import format_info, inspect_model
+    with signals_held():
+        from .modelinfo import format_info, inspect_model
 
     info = inspect_model(args.model, size_hw=tuple(args.size))
     say(json.dumps(info, indent=2) if args.json else format_info(info))
@@ -215,8 +235,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import format_report, run_bench, write_report
     from .config import load_config, option_overrides
+
+    with signals_held():
+        from .bench import format_report, run_bench, write_report
 
     overrides = args.overrides + option_overrides(device=args.device, batch_size=args.batch_size)
     report = run_bench(args.source, load_config(args.config, overrides), limit=args.limit,

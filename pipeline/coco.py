@@ -51,9 +51,10 @@ class ImageMatcher:
         return self.by_base.get(parts[-1])
 
 
-def to_coco_results(records: Iterable[dict], gt: dict) -> tuple[list[dict], int]:
+def to_coco_results(records: Iterable[dict], gt: dict, matched: set[int] | None = None) -> tuple[list[dict], int]:
     """COCO results [{image_id, category_id, bbox: [x, y, w, h], score}] and the number of records
-    whose image is not in the annotation file (skipped)."""
+    whose image is not in the annotation file (skipped). matched: filled with the ids of the
+    annotated images that have a record."""
     match_image = ImageMatcher(gt["images"])
     categories = {c["name"].lower(): c["id"] for c in gt["categories"]}
     results, unmatched = [], 0
@@ -62,6 +63,8 @@ def to_coco_results(records: Iterable[dict], gt: dict) -> tuple[list[dict], int]
         if image_id is None:
             unmatched += 1
             continue
+        if matched is not None:
+            matched.add(image_id)
         for det in record["detections"]:
             category_id = categories.get(str(det["name"]).lower())
             if category_id is None:

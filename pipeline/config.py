@@ -141,10 +141,13 @@ def check_thresholds(score_threshold: float, iou_threshold: float, max_detection
         if not ok:
             raise ConfigError(f"{where}{name}: {message}")
 
-    need(isinstance(score_threshold, numbers.Real) and 0.0 <= score_threshold <= 1.0, "score_threshold",
-         f"{score_threshold!r} must be in [0, 1]")
-    need(isinstance(iou_threshold, numbers.Real) and 0.0 < iou_threshold <= 1.0, "iou_threshold",
-         f"{iou_threshold!r} must be in (0, 1]")
+    def number(value) -> bool:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+    need(number(score_threshold) and 0.0 <= score_threshold <= 1.0, "score_threshold",
+         f"{score_threshold!r} must be a number in [0, 1]")
+    need(number(iou_threshold) and 0.0 < iou_threshold <= 1.0, "iou_threshold",
+         f"{iou_threshold!r} must be a number in (0, 1]")
     whole = isinstance(max_detections, numbers.Integral) and not isinstance(max_detections, bool)
     need(whole and 0 < max_detections <= 100_000, "max_detections", f"{max_detections!r} must be a whole number in "
                                                                      "1..100000")

@@ -77,6 +77,9 @@ class Detector:
                     overrides: Iterable[str] = ()) -> Detector:
         """A detector from a YAML config (default: the embedded one), or a loaded Config, with
         `--set`-style overrides and the CLI's --model, --device, --batch-size."""
+        if isinstance(overrides, str):
+            raise ConfigError(f"overrides={overrides!r}: give a list of 'section.key=value' strings, e.g. "
+                              "['postprocess.score_threshold=0.5']")
         extra = list(overrides) + option_overrides(model=model, device=device, batch_size=batch_size)
         if not isinstance(config, Config):
             config = load_config(config, extra)

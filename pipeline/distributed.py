@@ -34,7 +34,7 @@ from typing import TextIO
 import numpy as np
 
 from .config import Config, resolve_model_path
-from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, ConfigError, GpudetError, catch_signals
+from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, ConfigError, GpudetError, catch_signals, signals_held
 from .results import ImageError, ImageRef
 from .sinks import SHARDS, OutputFolder, RunResult
 from .source import FLUSH, batched, list_images
@@ -142,18 +142,19 @@ def check_before_starting(config: Config) -> dict:
 
 def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str | None = None, workers: int = 2,
                gpus_per_worker: float | None = None, root: str | None = None, progress: bool | None = None,
-               resume: bool = False, overwrite: bool = False) -> RunResult:
+               resume: bool = False, overwrite: bool = False, retry_failed: bool = False) -> RunResult:
     """`gpudet detect --ray [ADDRESS] --workers N`: an actor pool on a Ray cluster (a local one
     when no address is given)."""
     try:
-        import ray
+        with signals_held():
+            import ray
     except ImportError:
         raise ConfigError("--ray needs Ray Data: pip install 'gpudet[ray]' (or 'ray[data]')") from None
     if workers < 1:
         raise ConfigError(f"--workers {workers}: give at least 1 detector actor")
     model = check_before_starting(config)
     show = sys.stderr.isatty() if progress is None else progress  # before Ray's messages are taken off stderr
-    with OutputFolder(out_dir, resume=resume, overwrite=overwrite) as folder:
+    with OutputFolder(out_dir, resume=resume, overwrite=overwrite, retry_failed=retry_failed) as folder:
         started_at, started = datetime.now(timezone.utc), time.perf_counter()
         shards = folder.path / SHARDS
         refs = list_images(source, root=root)

@@ -22,7 +22,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_SOME_FAILED, EXIT_OUTPUT, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 
@@ -104,6 +105,18 @@ _interrupted = threading.Event()
 def _raise_keyboard_interrupt(signum, frame):
     _interrupted.set()
     raise KeyboardInterrupt
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held back (blocked) while C libraries load (torch, DALI, ONNX Runtime): an
+    interrupt in the middle of their initialisation can come out as an ImportError, or abort the
+    process. One that comes meanwhile is delivered when the block ends, as KeyboardInterrupt."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def catch_signals() -> None:

@@ -113,9 +113,10 @@ class Worker:
 
 
 def run_on_devices(source: str, out_dir: str | Path, config: Config, devices: list[str], *, root: str | None = None,
-                   progress: bool | None = None, resume: bool = False, overwrite: bool = False) -> RunResult:
+                   progress: bool | None = None, resume: bool = False, overwrite: bool = False,
+                   retry_failed: bool = False) -> RunResult:
     """`gpudet detect --devices ...`: one worker per device, results merged into out_dir."""
-    with OutputFolder(out_dir, resume=resume, overwrite=overwrite) as folder:
+    with OutputFolder(out_dir, resume=resume, overwrite=overwrite, retry_failed=retry_failed) as folder:
         return _run_on_devices(folder, source, config, devices, root=root, progress=progress)
 
 

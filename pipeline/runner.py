@@ -21,9 +21,10 @@ from .timing import StageClock, process_seconds
 
 
 def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | None = None,
-               progress: bool | None = None, resume: bool = False, overwrite: bool = False) -> RunResult:
+               progress: bool | None = None, resume: bool = False, overwrite: bool = False,
+               retry_failed: bool = False) -> RunResult:
     """Detect on every image of `source`, streaming results into `out_dir`."""
-    with OutputFolder(out_dir, resume=resume, overwrite=overwrite) as folder:
+    with OutputFolder(out_dir, resume=resume, overwrite=overwrite, retry_failed=retry_failed) as folder:
         refs = list_images(source, root=root)
         return detect_into(folder, folder.begin(refs), config, source=str(source), images=len(refs),
                            progress=progress)

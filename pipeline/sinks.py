@@ -148,6 +148,8 @@ class Tally:
     failed: int = 0
     detections: int = 0
     interrupted: bool = False
+    failed_before: int = 0
+    """Images an earlier run into the folder recorded as failed (a --resume's)."""
     failed_by_reason: Counter = field(default_factory=Counter)
 
     def count(self, name: str, record: dict) -> None:
@@ -161,8 +163,10 @@ class Tally:
 
     @property
     def exit_code(self) -> int:
-        """0: every image processed; 3: finished, some failed; 130: interrupted."""
-        return EXIT_INTERRUPTED if self.interrupted else EXIT_SOME_FAILED if self.failed else EXIT_OK
+        """0: every image processed; 3: finished, some failed (in this run or an earlier one into the
+        folder: errors.jsonl is not empty); 130: interrupted."""
+        return EXIT_INTERRUPTED if self.interrupted else \
+            EXIT_SOME_FAILED if self.failed or self.failed_before else EXIT_OK
 
 
 class OutputFolder:
@@ -175,10 +179,13 @@ class OutputFolder:
     LOCK = ".gpudet.lock"
     FILES = RESULT_FILES + ("summary.json", "summary.json.tmp") + tuple(name + ".tmp" for name in RESULT_FILES)
 
-    def __init__(self, path: str | Path, *, resume: bool = False, overwrite: bool = False):
+    def __init__(self, path: str | Path, *, resume: bool = False, overwrite: bool = False,
+                 retry_failed: bool = False):
+        """resume: continue, skipping what is recorded; retry_failed (with resume): also process
+        again the images recorded as failed; overwrite: start again."""
         self._lock = -1
         self.path = Path(path)
-        self.resume, self.overwrite = resume, overwrite
+        self.resume, self.overwrite, self.retry_failed = resume, overwrite, retry_failed
         self.tally = Tally()
         self._writers: tuple[JsonlWriter, JsonlWriter] | None = None
         try:
@@ -221,20 +228,25 @@ class OutputFolder:
     def begin(self, refs: list[ImageRef]) -> list[ImageRef]:
         """Start a run over `refs`: the images it must process. An earlier run's summary.json goes
         first, so that a summary always describes the run that wrote it, whatever stops this one.
-        Records in the shards count as this folder's; --overwrite removes them with the files."""
+        Records in the shards count as this folder's; --overwrite removes them with the files;
+        retry_failed empties every errors.jsonl, so that those images are processed again. The
+        images recorded as failed before count in `tally.failed_before` (and in the exit code)."""
         if self.overwrite:
             shutil.rmtree(self.path / SHARDS, ignore_errors=True)
-            for path in self.files:
-                if path.exists():
-                    os.close(open_for_writing(path, os.O_TRUNC))
+        failures = [self.files[1]] + [s / RESULT_FILES[1] for s in self.shards]
+        for path in self.files + failures if self.overwrite else failures if self.retry_failed else []:
+            if path.exists():
+                os.close(open_for_writing(path, os.O_TRUNC))
         (self.path / "summary.json").unlink(missing_ok=True)
         existing = [p for p in self.files + [s / name for s in self.shards for name in RESULT_FILES]
                     if p.exists() and p.stat().st_size]
         if existing and not self.resume:
             raise OutputError(f"{existing[0]} already holds results; pass --resume to process only the images "
                               "not yet recorded there, or --overwrite to start again")
-        done = recorded(existing, refs)
-        return [r for r in refs if r.index not in done]
+        processed = recorded([p for p in existing if p.name == RESULT_FILES[0]], refs)
+        failed = recorded([p for p in existing if p.name == RESULT_FILES[1]], refs) - processed
+        self.tally.failed_before = len(failed)
+        return [r for r in refs if r.index not in processed and r.index not in failed]
 
     @contextmanager
     def writing(self) -> Iterator[OutputFolder]:
@@ -300,7 +312,8 @@ class OutputFolder:
         t = self.tally
         summary = {
             "gpudet": __version__, "source": source, "out": str(self.path), "images": images,
-            "already_done": images - todo, "processed": t.processed, "failed": t.failed,
+            "already_done": images - todo, "already_failed": t.failed_before, "processed": t.processed,
+            "failed": t.failed,
             "failed_by_reason": dict(t.failed_by_reason), "detections": t.detections, "interrupted": t.interrupted,
             "seconds": {k: round(v, 4) for k, v in seconds.items()},
             "images_per_s": round((t.processed + t.failed) / max(loop_seconds, 1e-9), 2),

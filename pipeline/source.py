@@ -69,6 +69,9 @@ def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = N
         refs = [ImageRef(i, p) for i, p in enumerate(sorted(p for p in globlib.glob(text, recursive=True)
                                                             if os.path.isfile(p)))]
         what = f"glob {text!r} matches no file (quote it, so that the shell does not expand it first)"
+    elif not path.exists() and not path.is_symlink():
+        raise SourceError(f"source {text} does not exist; give a file list (.txt), a folder, an image file or a "
+                          "glob in quotes")
     else:
         raise SourceError(f"source {text} is not a folder, a .txt file list, an image file or a glob; "
                           "check the path")

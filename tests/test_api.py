@@ -223,3 +223,11 @@ def test_per_call_thresholds_on_the_gpu_are_captured_before_the_stream_runs(capl
     again = [len(r.scores) for r in detector.run(str(SAMPLES))]
     assert detector.postprocess.graphs.enabled and "capture failed" not in caplog.text
     assert default == again and sum(looser) > sum(default) and max(capped) == 2
+
+
+def test_api_mistakes_are_named():
+    with pytest.raises(ConfigError, match="a list of 'section.key=value' strings"):
+        Detector.from_config(device="cpu", overrides="postprocess.score_threshold=0.5")
+    detector = Detector.from_config(device="cpu", batch_size=2)
+    with pytest.raises(ConfigError, match="score_threshold: True must be a number"):
+        next(detector.run(str(SAMPLES), score_threshold=True))

@@ -152,3 +152,22 @@ def test_file_names_that_are_not_utf8_are_written_and_read_back(tmp_path):
     assert [len(r["detections"]) for r in records if r["path"].endswith("jpg") and "caf" in r["path"]] == [1]
     errors = read_jsonl(tmp_path / "out" / "errors.jsonl")
     assert [(os.fsencode(e["path"]), e["reason"]) for e in errors] == [(empty, "empty")]
+
+
+def test_resume_counts_earlier_failures_and_retry_failed_processes_them_again(tmp_path):
+    """exit 3 while errors.jsonl lists failures, also for a --resume that had nothing new fail;
+    --retry-failed processes them again once they are fixed."""
+    listing = tmp_path / "list.txt"
+    later = tmp_path / "later.jpg"
+    listing.write_text(f"{SAMPLES / 'grace_hopper.jpg'}\n{later}\n")
+    out = tmp_path / "out"
+    assert detect(listing, "--out", out, "--device", "cpu") == 3
+    later.write_bytes((SAMPLES / "china.jpg").read_bytes())  # the missing file, fixed
+    assert detect(listing, "--out", out, "--device", "cpu", "--resume") == 3
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["already_done"], summary["already_failed"], summary["failed"]) == (2, 1, 0)
+    assert detect(listing, "--out", out, "--device", "cpu", "--retry-failed") == 2  # needs --resume
+    assert detect(listing, "--out", out, "--device", "cpu", "--resume", "--retry-failed") == 0
+    assert read_jsonl(out / "errors.jsonl") == []
+    assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == [0, 1]
+    assert detect(listing, "--out", out, "--device", "cpu", "--workers", "2") == 2  # --workers without --ray

@@ -145,3 +145,15 @@ def test_a_label_at_the_top_edge_stays_in_the_image_and_scales_with_it():
     assert label[:, 0].min() == 0  # inside the image, from its top edge, not above it
     text_rows = np.argwhere((pixels[:120, 100:900] == 0).all(axis=2))[:, 0]  # black text on the red label
     assert text_rows.max() - text_rows.min() > 30  # a 3,000 px image gets text ~40 px high, not 10
+
+
+def test_eval_says_when_annotated_images_have_no_record(labelled, tmp_path, capsys):
+    """A partial run scored against the whole annotation file: the images it never recorded count
+    as misses, which eval says rather than printing lower metrics without a word."""
+    lines = (labelled / "out" / "detections.jsonl").read_text().splitlines()
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text("\n".join(lines[:2]) + "\n")
+    assert main(["eval", str(partial), "--annotations", str(labelled / "gt.json")]) == 0
+    assert "2 of the 4 annotated images have no record" in capsys.readouterr().err
+    assert main(["eval", str(labelled / "out" / "detections.jsonl"), "--annotations", str(labelled / "gt.json")]) == 0
+    assert "no record" not in capsys.readouterr().err

@@ -57,8 +57,10 @@ def test_a_failing_worker_is_reported_and_resume_finishes(tmp_path, capsys):
     (out / "shards" / "1" / "errors.jsonl").unlink()
     first = read_jsonl(out / "detections.jsonl") + read_jsonl(out / "errors.jsonl")
     assert sorted(r["index"] for r in first) == [0, 2, 4, 6]  # worker 0's share; nothing lost
-    # The empty file was worker 0's and is recorded already: this run's images all succeed.
-    assert main(["detect", str(listing), "--out", str(out), "--devices", "cpu,cpu,cpu", "--resume", "--quiet"]) == 0
+    # The empty file was worker 0's and is recorded already: this run's images all succeed, and the
+    # exit says that errors.jsonl lists a failure.
+    assert main(["detect", str(listing), "--out", str(out), "--devices", "cpu,cpu,cpu", "--resume", "--quiet"]) == 3
+    assert json.loads((out / "summary.json").read_text())["already_failed"] == 1
     done = read_jsonl(out / "detections.jsonl")
     failed = read_jsonl(out / "errors.jsonl")
     assert sorted([r["index"] for r in done] + [e["index"] for e in failed]) == list(range(7))

@@ -75,8 +75,10 @@ def test_folder_is_recursive_sorted_and_filters_extensions(tmp_path):
 
 def test_glob_and_bad_source(tmp_path):
     assert len(list_images(str(SAMPLES / "*.png"))) == 4
-    with pytest.raises(SourceError, match="nowhere"):
+    with pytest.raises(SourceError, match="nowhere does not exist"):
         list_images(tmp_path / "nowhere")
+    with pytest.raises(SourceError, match="list.txt does not exist"):
+        list_images(tmp_path / "list.txt")
 
 
 def test_read_checked_reasons(tmp_path):
@@ -145,4 +147,4 @@ def test_a_list_line_with_a_nul_byte_is_an_unreadable_image_and_resume_reads_its
     assert main(["detect", str(listing), "--out", str(out), "--device", "cpu", "--quiet"]) == 3
     (error,) = read_jsonl(out / "errors.jsonl")
     assert error["reason"] == "unreadable" and "NUL" in error["message"] and error["path"].endswith("bad\x00name.jpg")
-    assert main(["detect", str(listing), "--out", str(out), "--device", "cpu", "--quiet", "--resume"]) == 0
+    assert main(["detect", str(listing), "--out", str(out), "--device", "cpu", "--quiet", "--resume"]) == 3
