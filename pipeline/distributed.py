@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import queue
 import re
 import sys
@@ -26,7 +25,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
@@ -34,7 +32,8 @@ from typing import TextIO
 import numpy as np
 
 from .config import Config, resolve_model_path
-from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, ConfigError, GpudetError, catch_signals, signals_held
+from .errors import (EXIT_INTERNAL, EXIT_INTERRUPTED, ConfigError, GpudetError, catch_signals, signals_held,
+                     stderr_into_log)
 from .results import ImageError, ImageRef
 from .sinks import SHARDS, OutputFolder, RunResult
 from .source import FLUSH, batched, list_images
@@ -189,7 +188,7 @@ def run_actors(ray, todo: list[ImageRef], config: Config, shards: Path, address:
     """Ray started (or reached), the actors streamed over `todo`, Ray shut down if started here.
     Returns the stream's seconds, the GPUs per actor, and why Ray gave up (None if it did not)."""
     started_here = not ray.is_initialized()
-    with ray_messages() as stderr:
+    with stderr_into_log("ray", ray_level) as stderr:
         start_ray(ray, address, workers)
         try:
             if gpus is None:  # one GPU per actor where the cluster has GPUs and the config allows
@@ -233,43 +232,6 @@ def stream(ray, todo: list[ImageRef], config: Config, shards: Path, workers: int
             first = min(first, float(rows["first_taken"].min()))
             bar.update(len(rows["index"]))
     return (last - first) if last is not None else 0.0
-
-
-@contextmanager
-def ray_messages():
-    """Ray's own messages through gpudet's log, so that --quiet and --log-json hold for them too:
-    whatever Ray writes to this process's stderr (its Python loggers, the core worker's C++ log
-    lines) is read from a pipe and logged line by line as gpudet's warnings; gpudet's handler
-    writes to the real stderr meanwhile. Yields that real stderr (for a progress bar)."""
-    gpudet = logging.getLogger("gpudet")
-    real = os.dup(2)
-    stderr = os.fdopen(os.dup(real), "w", buffering=1)
-    handler = logging.StreamHandler(stderr)
-    handler.setFormatter(gpudet.handlers[0].formatter if gpudet.handlers else logging.Formatter())
-    handlers = gpudet.handlers[:]
-    gpudet.handlers[:] = [handler]
-    read, write = os.pipe()
-    os.dup2(write, 2)
-    os.close(write)
-
-    def forward() -> None:
-        with os.fdopen(read, "r", errors="replace") as lines:
-            for line in lines:
-                if line.strip():
-                    gpudet.log(ray_level(line), "ray: %s", line.rstrip())
-
-    reader = threading.Thread(target=forward, name="gpudet-ray-stderr", daemon=True)
-    reader.start()
-    try:
-        yield stderr
-    finally:
-        sys.stderr.flush()
-        os.dup2(real, 2)  # the pipe's last writer in this process is gone: the reader ends
-        os.close(real)
-        reader.join(timeout=5)
-        gpudet.handlers[:] = handlers
-        handler.close()
-        stderr.close()
 
 
 def ray_level(line: str) -> int:

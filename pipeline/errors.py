@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -24,6 +25,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TextIO
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_SOME_FAILED, EXIT_OUTPUT, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 
@@ -97,6 +99,51 @@ def logging_settings() -> tuple[str, bool]:
     root = logging.getLogger("gpudet")
     return logging.getLevelName(root.getEffectiveLevel()), any(isinstance(h.formatter, JsonFormatter)
                                                                for h in root.handlers)
+
+
+def structured_log() -> bool:
+    """Whether gpudet's stderr is to hold only its own log: --log-json (one JSON object a line) or
+    --quiet (errors only)."""
+    level, as_json = logging_settings()
+    return as_json or logging.getLevelName(level) > logging.WARNING
+
+
+@contextmanager
+def stderr_into_log(source: str, level_of: Callable[[str], int]) -> Iterator[TextIO]:
+    """What libraries write to this process's stderr (Ray's loggers and C++ core, the image
+    decoders' complaints) read from a pipe and logged line by line as gpudet's, `source: line` at
+    `level_of(line)`, so that --quiet and --log-json hold for them too; gpudet's own messages go to
+    the real stderr meanwhile. Yields that real stderr (for a progress bar). A line a library
+    writes just before the process aborts may not be read before it ends."""
+    gpudet = logging.getLogger("gpudet")
+    real = os.dup(2)
+    stderr = os.fdopen(os.dup(real), "w", buffering=1)
+    handler = logging.StreamHandler(stderr)
+    handler.setFormatter(gpudet.handlers[0].formatter if gpudet.handlers else logging.Formatter())
+    handlers = gpudet.handlers[:]
+    gpudet.handlers[:] = [handler]
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+
+    def forward() -> None:
+        with os.fdopen(read, "r", errors="replace") as lines:
+            for line in lines:
+                if line.strip():
+                    gpudet.log(level_of(line), "%s: %s", source, line.rstrip())
+
+    reader = threading.Thread(target=forward, name=f"gpudet-{source}-stderr", daemon=True)
+    reader.start()
+    try:
+        yield stderr
+    finally:
+        sys.stderr.flush()
+        os.dup2(real, 2)  # the pipe's last writer in this process is gone: the reader ends
+        os.close(real)
+        reader.join(timeout=5)
+        gpudet.handlers[:] = handlers
+        handler.close()
+        stderr.close()
 
 
 _interrupted = threading.Event()

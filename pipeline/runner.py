@@ -7,12 +7,16 @@ its share of the images.
 
 from __future__ import annotations
 
+import logging
+import re
 import sys
 import time
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 
 from .config import Config
+from .errors import stderr_into_log, structured_log
 from .detector import Detector
 from .results import ImageError, ImageRef
 from .sinks import OutputFolder, RunResult
@@ -42,7 +46,11 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, s
     setup_s = time.perf_counter() - t0
     clock = StageClock()
     show = sys.stderr.isatty() if progress is None else progress
-    with folder.writing(), tqdm(total=len(todo), unit="img", disable=not show, dynamic_ncols=True) as bar:
+    # --log-json, --quiet: the decoders' complaints about a bad file (errors.jsonl names it) go
+    # through the log at debug, not onto stderr between gpudet's lines.
+    messages = stderr_into_log("decoder", decoder_level) if structured_log() else nullcontext(sys.stderr)
+    with messages as stderr, folder.writing(), \
+            tqdm(total=len(todo), unit="img", disable=not show, file=stderr, dynamic_ncols=True) as bar:
         def failed(errors: list[ImageError]) -> None:
             folder.fail(errors)
             bar.update(len(errors))
@@ -66,3 +74,11 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, s
         started=started, model=detector.describe(), config=detector.config.to_dict(),
         extra={"model_batch": detector.engine.run_batch or detector.batch_size})
     return RunResult(summary, folder.tally.exit_code)
+
+
+DECODER_NOISE = re.compile(r"libjpeg|libpng|jpeg_parser|Corrupt JPEG|Premature end of JPEG|JPEG datastream|_decoder\]")
+
+
+def decoder_level(line: str) -> int:
+    """Debug for what image decoders print about a bad file, a warning for anything else."""
+    return logging.DEBUG if DECODER_NOISE.search(line) else logging.WARNING

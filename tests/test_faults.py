@@ -275,3 +275,21 @@ def test_a_listed_path_resolves_as_pathlib_would(base, text):
 
     item = Path(os.path.expanduser(text))  # ~user/x for a user that does not exist stays as written
     assert resolved(str(Path(base)), text) == str(item if item.is_absolute() else Path(base) / item)  # base: a Path
+
+
+def test_log_json_holds_with_corrupt_images_in_the_list(tmp_path):
+    """The decoders print their complaints about a truncated file to stderr; with --log-json (and
+    --quiet) stderr holds only gpudet's log, one JSON object a line, and errors.jsonl names the files."""
+    data = (SAMPLES / "grace_hopper.jpg").read_bytes()
+    (tmp_path / "cut.jpg").write_bytes(data[:len(data) // 2])
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{tmp_path / 'cut.jpg'}\n{SAMPLES / 'china.jpg'}\n")
+    plain = gpudet("detect", listing, "--out", tmp_path / "plain", "--device", "cpu", "--log-level", "INFO")
+    assert plain.returncode == 3 and "libjpeg" in plain.stderr  # the decoders do complain
+    run = gpudet("detect", listing, "--out", tmp_path / "o", "--device", "cpu", "--log-json", "--log-level", "INFO")
+    assert run.returncode == 3, run.stderr[-2000:]
+    entries = [json.loads(line) for line in run.stderr.splitlines()]
+    assert entries and entries[-1]["message"] == "run finished" and "libjpeg" not in run.stderr
+    assert [e["reason"] for e in read_jsonl(tmp_path / "o" / "errors.jsonl")] == ["decode_failed"]
+    quiet = gpudet("detect", listing, "--out", tmp_path / "q", "--device", "cpu", "--quiet")
+    assert quiet.returncode == 3 and quiet.stderr == "", quiet.stderr[-2000:]
