@@ -1,6 +1,7 @@
 """The Python API: Detector.from_config / run / stream(on_device=True), and the example that uses it."""
 
 import itertools
+import os
 import subprocess
 import sys
 
@@ -45,11 +46,12 @@ def test_stream_on_device_keeps_detections_on_the_device(device):
     assert isinstance(found.scores, torch.Tensor)
 
 
-def test_the_documented_example_runs():
-    run = subprocess.run([sys.executable, "examples/python_api.py", "samples", "--device", "cpu"], cwd=ROOT,
+@cpu_and_cuda()
+def test_the_documented_example_runs(device):
+    run = subprocess.run([sys.executable, "examples/python_api.py", "samples", "--device", device], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.count(": face ") == 3 and "3 faces on cpu" in run.stdout
+    assert run.stdout.count(": face ") == 3 and f"3 faces on {device}" in run.stdout
 
 
 def test_images_in_memory_are_taken_as_they_are_given(tmp_path):
@@ -126,11 +128,15 @@ def test_on_error_hears_only_of_errors(tmp_path):
     assert [[e.reason for e in errors] for errors in heard] == [["empty"]]
 
 
-def test_the_readme_python_example_runs_as_written():
-    """The README's Python API block, run as a script from the repository's root."""
+@cpu_and_cuda()
+def test_the_readme_python_example_runs_as_written(device):
+    """The README's Python API block, run as a script from the repository's root, on the device the
+    default picks: the CPU where no GPU is visible, else the GPU."""
     readme = (ROOT / "README.md").read_text()
     block = readme.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    run = subprocess.run([sys.executable, "-c", block], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})}
+    run = subprocess.run([sys.executable, "-c", block], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.count("astronaut.png") >= 1
 
