@@ -113,9 +113,6 @@ def cmd_detect(args: argparse.Namespace) -> int:
     progress = False if args.quiet else args.progress
     options = dict(root=args.root, progress=progress, resume=args.resume, overwrite=args.overwrite,
                    retry_failed=args.retry_failed)
-    if args.retry_failed and not args.resume:
-        raise ConfigError("--retry-failed goes with --resume: it processes again what an earlier run into --out "
-                          "recorded as failed")
     if args.devices is not None and args.ray is not None:
         raise ConfigError("--devices and --ray do not go together: Ray places one actor per GPU itself")
     if args.workers is not None and args.ray is None:

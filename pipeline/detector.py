@@ -28,7 +28,7 @@ from .config import Config, RunConfig, check_thresholds, load_config, option_ove
 from .device import Device, free_bytes, resolve_device
 from .engine import Engine, Launched, detect_contract, landmark_points, model_record
 from .errors import ConfigError
-from .postprocess import DeviceDetections, EndToEnd, RetinaNetHeads, SsdHeads, Thresholds, image_meta
+from .postprocess import DeviceDetections, EndToEnd, GraphCache, RetinaNetHeads, SsdHeads, Thresholds, image_meta
 from .preprocess import PreprocessedBatch, Preprocessor, preprocess_stream
 from .results import Detections, ImageError, ImageResult
 from .source import FLUSH, EncodedImage, Item, PixelImage, as_item, batched, list_images, read_chunks, within_pixels
@@ -67,8 +67,8 @@ class Detector:
         """Engine and postprocess on threads of their own (GPU); on the CPU they run inline."""
         self._streaming = False
         self._preprocessors = {preprocessor.source: preprocessor}
-        self._captured = thresholds
-        """The thresholds the postprocess's CUDA graphs were last captured for."""
+        self._captured: list[Thresholds] = []
+        """Thresholds whose CUDA graphs the postprocess holds (GPU, heads), least recently used first."""
         self._warm_up()
 
     @classmethod
@@ -200,7 +200,10 @@ class Detector:
             raise ConfigError(f"iou_threshold: {self.model_path.name} runs its own NMS at an IoU of its own (it has "
                               "no iou_threshold input); leave iou_threshold unset for this model")
         self.engine.submit(self.engine.bind_scalars, dataclasses.asdict(thresholds)).result()
-        if thresholds != self._captured:
+        if thresholds in self._captured:  # most recently used last, as GraphCache orders them
+            self._captured.remove(thresholds)
+            self._captured.append(thresholds)
+        else:
             self._warm_up_postprocess(thresholds)
         return thresholds
 
@@ -272,8 +275,7 @@ class Detector:
 
     def _warm_up_postprocess(self, thresholds: Thresholds) -> None:
         """The heads postprocess on a GPU once per output slot with `thresholds`: its compile and its
-        CUDA graphs for them happen now."""
-        self._captured = thresholds
+        CUDA graphs for them happen now (GraphCache keeps those of the last few thresholds)."""
         if not self.overlap or isinstance(self.postprocess, EndToEnd):
             return
         n, size_hw = self.batch_size, (self.preprocessor.height, self.preprocessor.width)
@@ -282,6 +284,8 @@ class Detector:
             meta = image_meta(np.ones((n, 2), np.float32), np.zeros((n, 2), np.float32),
                               np.tile(np.array(size_hw, np.int64), (n, 1)))
             self.postprocess(outputs, meta, num_images=0, thresholds=thresholds).to_host()
+        self._captured.append(thresholds)
+        del self._captured[:-(GraphCache.MAX_GRAPHS // self.engine.slots)]  # those GraphCache still holds
 
     def run(self, source, *, root: str | None = None, score_threshold: float | None = None,
             iou_threshold: float | None = None, max_detections: int | None = None,

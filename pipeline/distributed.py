@@ -212,6 +212,13 @@ class RayJobError(GpudetError):
     exit_code = EXIT_INTERNAL
 
 
+def ray_batch(batch_size: int, images: int, workers: int) -> int:
+    """Images per Ray batch: RAY_BATCH detector batches, fewer where the job is small, so that
+    every actor gets at least two."""
+    share = -(-images // (2 * workers))  # ceil
+    return min(batch_size * RAY_BATCH, max(batch_size, -(-share // batch_size) * batch_size))
+
+
 def stream(ray, todo: list[ImageRef], config: Config, shards: Path, workers: int, gpus: float,
            progress: TextIO | None) -> float:
     """The actor pool over `todo`, waiting for every image's row (a progress bar counts them on
@@ -222,7 +229,7 @@ def stream(ray, todo: list[ImageRef], config: Config, shards: Path, workers: int
 
     dataset = ray.data.from_items([{"index": r.index, "path": r.path} for r in todo])
     detected = dataset.map_batches(DetectActor, fn_constructor_kwargs={"config": config, "shards": str(shards)},
-                                   batch_size=config.run.batch_size * RAY_BATCH,
+                                   batch_size=ray_batch(config.run.batch_size, len(todo), workers),
                                    compute=ray.data.ActorPoolStrategy(size=workers),
                                    num_gpus=gpus, num_cpus=1, batch_format="numpy")
     first, last = math.inf, None
@@ -231,7 +238,7 @@ def stream(ray, todo: list[ImageRef], config: Config, shards: Path, workers: int
             last = time.time()
             first = min(first, float(rows["first_taken"].min()))
             bar.update(len(rows["index"]))
-    return (last - first) if last is not None else 0.0
+    return max(0.0, last - first) if last is not None else 0.0  # the actors' clocks are their nodes'; one here
 
 
 def ray_level(line: str) -> int:

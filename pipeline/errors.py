@@ -119,6 +119,9 @@ def stderr_into_log(source: str, level_of: Callable[[str], int]) -> Iterator[Tex
     real = os.dup(2)
     stderr = os.fdopen(os.dup(real), "w", buffering=1)
     handler = logging.StreamHandler(stderr)
+    # A failed write (the reader of our stderr went away) must not print its report to fd 2: that is
+    # the pipe this handler's reader drains, which would feed itself until it blocks.
+    handler.handleError = lambda record: None
     handler.setFormatter(gpudet.handlers[0].formatter if gpudet.handlers else logging.Formatter())
     handlers = gpudet.handlers[:]
     gpudet.handlers[:] = [handler]
@@ -143,7 +146,10 @@ def stderr_into_log(source: str, level_of: Callable[[str], int]) -> Iterator[Tex
         reader.join(timeout=5)
         gpudet.handlers[:] = handlers
         handler.close()
-        stderr.close()
+        try:
+            stderr.close()
+        except OSError:  # what it still held cannot be written: its reader is gone
+            pass
 
 
 _interrupted = threading.Event()

@@ -28,12 +28,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
 from .config import Config
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, DeviceError, guarded, \
-    logging_settings, setup_logging
+    logging_settings, setup_logging, signals_held
 from .results import ImageRef
 from .runner import detect_into
 from .sinks import RESULT_FILES, SHARDS, OutputFolder, RunResult, Tally, recorded
@@ -80,6 +81,7 @@ def _worker(todo: list[ImageRef], shard: str, config: Config, source: str, image
 
     def run() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # held by the parent
         with OutputFolder(shard, resume=True) as folder:
             return detect_into(folder, todo, config, source=source, images=images, progress=False).exit_code
 
@@ -135,7 +137,12 @@ def _run_on_devices(folder: OutputFolder, source: str, config: Config, devices: 
                                          args=(images, str(worker.shard), worker_config, str(source), len(refs),
                                                logging_settings()))
         worker.left = len(images)
-        worker.process.start()
+        # The worker inherits SIGINT and SIGTERM blocked (they would break its imports of torch, DALI
+        # and ORT) and unblocks them once its handlers are in place; one sent meanwhile waits. The
+        # resource tracker is started first: starting, it unblocks both in this thread.
+        resource_tracker.ensure_running()
+        with signals_held():
+            worker.process.start()
 
     def restarted(worker: Worker) -> bool:
         """After its process ended: start it again on the share's unrecorded images, if it died
@@ -158,11 +165,12 @@ def _run_on_devices(folder: OutputFolder, source: str, config: Config, devices: 
 
     workers = [Worker(device, shards[k], todo[k::len(devices)], config.run.worker_restarts)
                for k, device in enumerate(devices) if todo[k::len(devices)]]
-    for worker in workers:
-        start(worker, worker.share)
     try:
+        for worker in workers:
+            start(worker, worker.share)
         _wait_with_progress(workers, len(todo), progress, restarted)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: each worker ends its batch; what they wrote is merged
+        workers = [w for w in workers if w.process is not None]
         _stop(workers)
         folder.tally.interrupted = True
     owner = {r.index: w for w in workers for r in w.share}

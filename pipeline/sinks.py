@@ -65,6 +65,15 @@ def read_complete_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in data[:end].decode("utf-8").splitlines() if line.strip()]
 
 
+def parse_record(line: bytes) -> dict:
+    """One JSON line of ours; a file name that is not UTF-8 was written with \\udcXX escapes
+    (`jsonl`), which orjson refuses and the json module reads back."""
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return json.loads(line)
+
+
 def iter_complete_lines(path: Path) -> Iterator[bytes]:
     """The complete lines of a JSONL file, read as a stream (an unterminated last line, a kill's
     torn write, is left out)."""
@@ -185,6 +194,9 @@ class OutputFolder:
         again the images recorded as failed; overwrite: start again."""
         self._lock = -1
         self.path = Path(path)
+        if retry_failed and not resume:
+            raise OutputError("--retry-failed goes with --resume: it processes again what an earlier run into "
+                              f"{self.path} recorded as failed")
         self.resume, self.overwrite, self.retry_failed = resume, overwrite, retry_failed
         self.tally = Tally()
         self._writers: tuple[JsonlWriter, JsonlWriter] | None = None
@@ -233,10 +245,9 @@ class OutputFolder:
         images recorded as failed before count in `tally.failed_before` (and in the exit code)."""
         if self.overwrite:
             shutil.rmtree(self.path / SHARDS, ignore_errors=True)
-        failures = [self.files[1]] + [s / RESULT_FILES[1] for s in self.shards]
-        for path in self.files + failures if self.overwrite else failures if self.retry_failed else []:
-            if path.exists():
-                os.close(open_for_writing(path, os.O_TRUNC))
+            for path in self.files:
+                if path.exists():
+                    os.close(open_for_writing(path, os.O_TRUNC))
         (self.path / "summary.json").unlink(missing_ok=True)
         existing = [p for p in self.files + [s / name for s in self.shards for name in RESULT_FILES]
                     if p.exists() and p.stat().st_size]
@@ -245,6 +256,11 @@ class OutputFolder:
                               "not yet recorded there, or --overwrite to start again")
         processed = recorded([p for p in existing if p.name == RESULT_FILES[0]], refs)
         failed = recorded([p for p in existing if p.name == RESULT_FILES[1]], refs) - processed
+        if self.retry_failed:  # checked to be this source's above; processed again from here
+            for path in existing:
+                if path.name == RESULT_FILES[1]:
+                    os.close(open_for_writing(path, os.O_TRUNC))
+            failed = set()
         self.tally.failed_before = len(failed)
         return [r for r in refs if r.index not in processed and r.index not in failed]
 
@@ -291,7 +307,7 @@ class OutputFolder:
                 block: list[bytes] = []
                 for path in [self.path / name] + [shard / name for shard in shards]:
                     for line in iter_complete_lines(path):
-                        record = orjson.loads(line)
+                        record = parse_record(line)
                         if record["index"] not in seen:
                             seen.add(record["index"])
                             count(name, record)

@@ -171,3 +171,14 @@ def test_resume_counts_earlier_failures_and_retry_failed_processes_them_again(tm
     assert read_jsonl(out / "errors.jsonl") == []
     assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == [0, 1]
     assert detect(listing, "--out", out, "--device", "cpu", "--workers", "2") == 2  # --workers without --ray
+
+
+def test_retry_failed_with_another_source_is_refused_before_anything_is_emptied(tmp_path):
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{SAMPLES / 'china.jpg'}\n{tmp_path / 'nope.jpg'}\n")
+    out = tmp_path / "out"
+    assert detect(listing, "--out", out, "--device", "cpu") == 3
+    other = tmp_path / "other.txt"
+    other.write_text(f"{SAMPLES / 'camera.png'}\n{tmp_path / 'nope.jpg'}\n")
+    assert detect(other, "--out", out, "--device", "cpu", "--resume", "--retry-failed") == 2
+    assert [e["reason"] for e in read_jsonl(out / "errors.jsonl")] == ["missing"]  # still there

@@ -182,3 +182,11 @@ def test_rays_own_lines_are_logged_at_their_level():
     assert ray_level("[2026-12-01 12:24:57,048 E 1181 1181] core_worker.cc:2465: Actor ...") == logging.WARNING
     assert ray_level("[2026-12-01 12:24:57,048 W 1181 1181] gcs_client.cc:1: slow") == logging.INFO
     assert ray_level("Traceback (most recent call last):") == logging.WARNING
+
+
+def test_a_small_job_is_spread_over_every_actor():
+    from pipeline.distributed import RAY_BATCH, ray_batch
+
+    assert ray_batch(32, 1_000_000, 2) == 32 * RAY_BATCH  # a large job: the whole Ray batch
+    assert ray_batch(32, 20_000, 8) == 1_280  # 20,000 / 16 = 1,250, rounded up to whole detector batches
+    assert ray_batch(32, 10, 4) == 32  # never under one detector batch

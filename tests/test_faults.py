@@ -293,3 +293,23 @@ def test_log_json_holds_with_corrupt_images_in_the_list(tmp_path):
     assert [e["reason"] for e in read_jsonl(tmp_path / "o" / "errors.jsonl")] == ["decode_failed"]
     quiet = gpudet("detect", listing, "--out", tmp_path / "q", "--device", "cpu", "--quiet")
     assert quiet.returncode == 3 and quiet.stderr == "", quiet.stderr[-2000:]
+
+
+def test_a_reader_of_stderr_that_goes_away_does_not_hang_the_capture(tmp_path):
+    """Under --log-json the libraries' stderr is read from a pipe and logged; when the real stderr
+    breaks (its reader exited), a failed write must not be reported into that same pipe."""
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import logging, os\n"
+        "from pipeline.errors import setup_logging, stderr_into_log\n"
+        "setup_logging(as_json=True)\n"
+        "with stderr_into_log('lib', lambda line: logging.WARNING):\n"
+        "    for _ in range(2000):\n"
+        "        os.write(2, b'a library line\\n')\n"
+        "        logging.getLogger('gpudet').warning('ours')\n"
+        "print('done', flush=True)\n")
+    process = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    process.stderr.close()  # the reader of stderr is gone
+    out, _ = process.communicate(timeout=60)
+    assert "done" in out

@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -176,3 +177,37 @@ def test_a_worker_logs_as_its_parent():
         assert logging_settings() == ("ERROR", False)
     finally:
         setup_logging()
+
+
+def test_sigterm_while_the_workers_import_ends_cleanly(tmp_path):
+    """SIGTERM to the parent as soon as its workers exist, while they still load torch, DALI and
+    ORT: they hold the signal until their handlers are in place, then stop; exit 130, no traceback."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, "-m", "pipeline", "detect", str(SAMPLES), "--out", str(out),
+                                "--devices", "cpu,cpu"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None and len(children.read_text().split()) < 2:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=180)
+    assert process.returncode == 130 and "Traceback" not in err, (process.returncode, err[-2000:])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] and all(w["exit_code"] in (0, 130) for w in summary["workers"]), summary
+
+
+def test_a_file_name_that_is_not_utf8_is_merged(tmp_path):
+    """Such a name is written with \\udcXX escapes; the merge of the workers' shards reads it back."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    name = os.fsdecode(b"caf\xe9.jpg")
+    (folder / name).write_bytes((SAMPLES / "china.jpg").read_bytes())
+    (folder / "b.jpg").write_bytes((SAMPLES / "grace_hopper.jpg").read_bytes())
+    out = tmp_path / "out"
+    assert main(["detect", str(folder), "--out", str(out), "--devices", "cpu,cpu", "--quiet"]) == 0
+    paths = {os.fsencode(r["path"]) for r in read_jsonl(out / "detections.jsonl")}
+    assert paths == {os.fsencode(str(folder / name)), os.fsencode(str(folder / "b.jpg"))}
+    assert main(["detect", str(folder), "--out", str(out), "--devices", "cpu", "--resume", "--quiet"]) == 0
