@@ -132,7 +132,7 @@ def gpudet_passes(refs: list[ImageRef], detector: Detector, passes: int = 1, *, 
                     with clock("write"):
                         folder.record(batch, found, detector.labels)
             seconds = time.perf_counter() - start
-            failed = read_complete_records(folder.files[1])
+            failed = list(read_complete_records(folder.files[1]))
         t = folder.tally
         if t.failed:
             raise SourceError(f"bench: {t.failed} of {len(refs)} images failed (first: {failed[0]['path']}: "

@@ -152,7 +152,7 @@ def _run_on_devices(folder: OutputFolder, source: str, config: Config, devices: 
         if code >= 0 or worker.restarts_left == 0:
             return False
         # Reading the shard cuts a torn last line (a kill mid-write) off, so the next run appends whole lines.
-        done = recorded([worker.shard / name for name in RESULT_FILES], refs)
+        done = set().union(*recorded([worker.shard / name for name in RESULT_FILES], refs).values())
         left = [r for r in worker.share if r.index not in done]
         if not left or len(left) == worker.left:
             return False

@@ -50,19 +50,35 @@ def jsonl(records: list[dict]) -> bytes:
         return "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
 
 
-def read_complete_records(path: Path) -> list[dict]:
-    """The complete records of a JSONL file left by an earlier run, killed or not.
+def read_complete_records(path: Path) -> Iterator[dict]:
+    """The complete records of a JSONL file left by an earlier run, killed or not, read as a stream.
 
     A kill can only leave an unterminated last line (each batch is one write of whole lines);
-    that tail is cut off the file, so appending continues on a record boundary."""
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
+    that tail is cut off the file first, so appending continues on a record boundary."""
+    cut_torn_tail(path)
+    for line in iter_complete_lines(path):
+        yield parse_record(line)
+
+
+def cut_torn_tail(path: Path) -> None:
+    """Truncate the file after its last newline, if anything follows it (read from the end)."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        end = size = f.seek(0, os.SEEK_END)
+        while end:
+            start = max(0, end - (1 << 16))
+            f.seek(start)
+            at = f.read(end - start).rfind(b"\n")
+            if at >= 0:
+                end = start + at + 1
+                break
+            end = start
+    if end < size:
         with open(path, "r+b") as f:
             f.truncate(end)
-    return [json.loads(line) for line in data[:end].decode("utf-8").splitlines() if line.strip()]
 
 
 def parse_record(line: bytes) -> dict:
@@ -254,8 +270,9 @@ class OutputFolder:
         if existing and not self.resume:
             raise OutputError(f"{existing[0]} already holds results; pass --resume to process only the images "
                               "not yet recorded there, or --overwrite to start again")
-        processed = recorded([p for p in existing if p.name == RESULT_FILES[0]], refs)
-        failed = recorded([p for p in existing if p.name == RESULT_FILES[1]], refs) - processed
+        found = recorded(existing, refs)
+        processed = found[RESULT_FILES[0]]
+        failed = found[RESULT_FILES[1]] - processed
         if self.retry_failed:  # checked to be this source's above; processed again from here
             for path in existing:
                 if path.name == RESULT_FILES[1]:
@@ -363,11 +380,13 @@ def hold_lock(path: Path, folder: Path) -> int:
     return fd
 
 
-def recorded(paths: Iterable[Path], refs: list[ImageRef]) -> set[int]:
-    """Indices recorded in result files of earlier runs, each checked to belong to `refs`."""
+def recorded(paths: Iterable[Path], refs: list[ImageRef]) -> dict[str, set[int]]:
+    """Indices recorded in result files of earlier runs, by file name (RESULT_FILES), each checked
+    to belong to `refs`."""
     by_index = {r.index: r.path for r in refs}
-    done: set[int] = set()
+    found: dict[str, set[int]] = {name: set() for name in RESULT_FILES}
     for path in paths:
+        done = found[path.name]
         for record in read_complete_records(path):
             index = record.get("index")
             if by_index.get(index) != record.get("path"):
@@ -375,4 +394,4 @@ def recorded(paths: Iterable[Path], refs: list[ImageRef]) -> set[int]:
                     f"{path}: record {index} ({record.get('path')}) is not image {index} of this source; resume with "
                     "the same source (and --root), or use --overwrite")
             done.add(index)
-    return done
+    return found

@@ -202,7 +202,7 @@ def test_kill_9_then_resume_records_each_image_exactly_once(tmp_path):
     wait_for_records(out / "detections.jsonl", 10, process)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    before = read_complete_records(out / "detections.jsonl")
+    before = list(read_complete_records(out / "detections.jsonl"))
     assert 10 <= len(before) < 120
     # What a kill in the middle of a write would leave: an unterminated last line.
     with open(out / "detections.jsonl", "a") as f:
