@@ -2,8 +2,9 @@
 
 Every key is declared here with its type and default; an unknown key, a wrong type or an invalid
 value raises ConfigError naming the key. A Config is read-only (frozen, lists as tuples): what a
-Detector was built from cannot change under it; `dataclasses.replace` makes a changed copy. `Detector.from_config` is the one place that turns a
-Config into the stages' arguments; the stages themselves take plain keyword arguments.
+Detector was built from cannot change under it; `dataclasses.replace` makes a changed copy.
+`Detector.from_config` is the one place that turns a Config into the stages' arguments; the
+stages themselves take plain keyword arguments.
 """
 
 from __future__ import annotations

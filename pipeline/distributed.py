@@ -32,7 +32,7 @@ from typing import TextIO
 import numpy as np
 
 from .config import Config, resolve_model_path
-from .errors import (EXIT_INTERNAL, EXIT_INTERRUPTED, ConfigError, GpudetError, catch_signals, signals_held,
+from .errors import (EXIT_INTERNAL, ConfigError, GpudetError, catch_signals, signals_held,
                      stderr_into_log)
 from .results import ImageError, ImageRef
 from .sinks import SHARDS, OutputFolder, RunResult
@@ -175,9 +175,7 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
             model=model,
             config=config.to_dict(),
             extra={"ray": address or "local", "actors": workers, "gpus_per_actor": gpus, "not_recorded": missing})
-    if folder.tally.interrupted:
-        return RunResult(summary, EXIT_INTERRUPTED)
-    if failure or missing:
+    if (failure or missing) and not folder.tally.interrupted:  # interrupted: Tally.exit_code says 130
         raise RayJobError(f"the Ray job ended with {missing} images not recorded ({failure or 'see the Ray log'}); "
                           "what the actors wrote is kept: run again with --resume")
     return RunResult(summary, folder.tally.exit_code)

@@ -104,8 +104,7 @@ def logging_settings() -> tuple[str, bool]:
 def structured_log() -> bool:
     """Whether gpudet's stderr is to hold only its own log: --log-json (one JSON object a line) or
     --quiet (errors only)."""
-    level, as_json = logging_settings()
-    return as_json or logging.getLevelName(level) > logging.WARNING
+    return logging_settings()[1] or logging.getLogger("gpudet").getEffectiveLevel() > logging.WARNING
 
 
 @contextmanager
