@@ -115,10 +115,12 @@ class Pass:
     detections_per_image: float
 
 
-def gpudet_passes(refs: list[ImageRef], detector: Detector, passes: int = 1, *, warm_up: bool = True) -> list[Pass]:
-    """The pipeline as `gpudet detect` runs it: read, DALI, ORT, postprocess, JSONL records into an
-    output folder, timed over `refs` `passes` times after one warm-up batch (warm_up=False: the
-    caller ran one). A rate counts the records written; an image that fails stops the benchmark."""
+def gpudet_passes(refs: list[ImageRef], detector: Detector, passes: int = 1, *, warm_up: bool = True,
+                  output_format: str = "jsonl") -> list[Pass]:
+    """The pipeline as `gpudet detect` runs it: read, DALI, ORT, postprocess, records into an
+    output folder (JSONL, or `output_format`), timed over `refs` `passes` times after one warm-up
+    batch (warm_up=False: the caller ran one). A rate counts the records written; an image that
+    fails stops the benchmark."""
     if warm_up:
         list(detector.stream(refs[:detector.batch_size], lambda errors: None))
     runs = []
@@ -127,7 +129,7 @@ def gpudet_passes(refs: list[ImageRef], detector: Detector, passes: int = 1, *, 
         with tempfile.TemporaryDirectory() as tmp, \
                 GpuUtilisation(detector.device.index if detector.device.is_cuda else None) as gpu:
             start = time.perf_counter()
-            with OutputFolder(tmp) as folder, folder.writing():
+            with OutputFolder(tmp, output_format=output_format) as folder, folder.writing():
                 for batch, found in detector.stream(refs, folder.fail, clock=clock):
                     with clock("write"):
                         folder.record(batch, found, detector.labels)
@@ -243,11 +245,12 @@ def code_version() -> dict:
 
 
 def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_naive: bool = False,
-              naive_limit: int = 300, latency: int = 0, passes: int = 1, command: str = "") -> dict:
+              naive_limit: int = 300, latency: int = 0, passes: int = 1, output_format: str = "jsonl",
+              command: str = "") -> dict:
     """naive_limit: the naive loop runs on the first N of the images (one at a time, for the same
     rate in a fraction of the time). passes: gpudet's timed passes over the images; the report's
     rate and stages are those of the median pass (the lower of the middle two), every pass's rate
-    is listed."""
+    is listed. output_format: how the passes write their records (detect's --format)."""
     host = machine()  # before the detector's threads start, for its python_loop_ms
     refs = list_images(source)[:limit]
     refs = [ImageRef(i, r.path) for i, r in enumerate(refs)]
@@ -262,7 +265,7 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
     list(detector.stream(refs[:detector.batch_size], lambda errors: None))
     setup["first_batch"] = time.perf_counter() - start
     items = [i for i in map(read_checked, refs[:detector.batch_size]) if isinstance(i, EncodedImage)]
-    runs = gpudet_passes(refs, detector, passes, warm_up=False)
+    runs = gpudet_passes(refs, detector, passes, warm_up=False, output_format=output_format)
     median = sorted(runs, key=lambda run: run.images_per_s)[(len(runs) - 1) // 2]
     rates = {
         "gpudet": median.images_per_s,
@@ -292,7 +295,7 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
                           else latency_ms(refs, config, latency))
     return {
         **({"latency_batch_1": report_latency} if report_latency else {}), **({"skipped": skipped} if skipped else {}),
-        "images": len(refs), **({"naive": naive} if naive else {}),
+        "images": len(refs), "output_format": output_format, **({"naive": naive} if naive else {}),
         "batch_size": detector.batch_size, "device": detector.device.describe(),
         "model": str(detector.model_path), "contract": detector.contract, "config": config.source_file,
         "images_per_s": rates, "gpudet_stages_s": median.stages,
@@ -311,7 +314,7 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
 
 def format_report(report: dict) -> str:
     lines = [f"gpudet bench: {report['images']} images, batch {report['batch_size']}, {report['device']}, "
-             f"{Path(report['model']).name} ({report['contract']})",
+             f"{Path(report['model']).name} ({report['contract']}), records as {report.get('output_format', 'jsonl')}",
              f"  {'what':<12} {'images/s':>10}"]
     for name, rate in report["images_per_s"].items():
         naive = report.get("naive", {})

@@ -33,7 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="SOURCE is a .txt file list (one path per line), a folder "
                                              "(searched recursively) or a glob in quotes.")
     detect.add_argument("source", help="file list (.txt), folder, image file or glob")
-    detect.add_argument("--out", required=True, help="output folder (detections.jsonl, errors.jsonl, summary.json)")
+    detect.add_argument("--out", required=True, help="output folder (detections.jsonl or detections.parquet/, "
+                                                     "errors.jsonl, summary.json)")
+    detect.add_argument("--format", dest="output_format", choices=["jsonl", "parquet"], default="jsonl",
+                        help="how processed images are written: jsonl (default), or parquet (a folder of Parquet "
+                             "files, one row per image; needs pyarrow)")
     detect.add_argument("--config", help="YAML config (default: the embedded RetinaFace config)")
     detect.add_argument("--model", help="ONNX model file (overrides model.path)")
     detect.add_argument("--device", help="auto | cpu | cuda | cuda:N (overrides run.device)")
@@ -51,18 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     detect.add_argument("--workers", type=int, help="--ray: detector actors (default 2)")
     again = detect.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true",
-                       help="continue a run in --out: skip images already in detections.jsonl or errors.jsonl")
+                       help="continue a run in --out: skip images already in its detections or errors.jsonl")
     again.add_argument("--overwrite", action="store_true", help="start again, replacing results already in --out")
     detect.add_argument("--retry-failed", action="store_true",
                         help="with --resume: also process again the images errors.jsonl lists (after fixing them)")
 
     coco = argparse.ArgumentParser(add_help=False)
-    coco.add_argument("detections", help="detections.jsonl written by gpudet detect")
+    coco.add_argument("detections", help="what gpudet detect wrote: detections.jsonl, detections.parquet or "
+                                         "the output folder")
     coco.add_argument("--annotations", required=True, help="COCO annotation file (images, categories)")
     export = commands.add_parser("export-coco", parents=[common, coco],
                                  help="write a COCO results file mapped onto an annotation file's ids")
     export.add_argument("--out", required=True, help="COCO results JSON to write")
-    evaluate = commands.add_parser("eval", parents=[common, coco], help="COCO bbox metrics of detections.jsonl")
+    evaluate = commands.add_parser("eval", parents=[common, coco], help="COCO bbox metrics of gpudet detect's results")
     evaluate.add_argument("--out", help="also write the metrics as JSON here")
 
     inspect = commands.add_parser("inspect", parents=[common], help="inputs, outputs, contract and Memcpy "
@@ -87,11 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the naive baseline on the first N images (default 300)")
     bench.add_argument("--latency", type=int, default=0, metavar="N",
                        help="also time N images one at a time (batch 1): p50/p99 from file to detections")
+    bench.add_argument("--format", dest="output_format", choices=["jsonl", "parquet"], default="jsonl",
+                       help="how gpudet's passes write their records (as detect --format; default jsonl)")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     bench.add_argument("--json", help="also write the report here")
 
     draw = commands.add_parser("draw", parents=[common], help="draw detections onto the images")
-    draw.add_argument("detections", help="detections.jsonl written by gpudet detect")
+    draw.add_argument("detections", help="what gpudet detect wrote: detections.jsonl, detections.parquet or "
+                                         "the output folder")
     draw.add_argument("--out", required=True, help="folder for the annotated images (named by index)")
     draw.add_argument("--limit", type=int, help="only the first N images")
     draw.add_argument("--min-score", type=float, default=0.0, help="draw detections scoring at least this")
@@ -111,8 +119,8 @@ def cmd_detect(args: argparse.Namespace) -> int:
     overrides = args.overrides + option_overrides(model=args.model, device=args.device, batch_size=args.batch_size)
     config = load_config(args.config, overrides)
     progress = False if args.quiet else args.progress
-    options = dict(root=args.root, progress=progress, resume=args.resume, overwrite=args.overwrite,
-                   retry_failed=args.retry_failed)
+    options = dict(root=args.root, progress=progress, output_format=args.output_format, resume=args.resume,
+                   overwrite=args.overwrite, retry_failed=args.retry_failed)
     if args.devices is not None and args.ray is not None:
         raise ConfigError("--devices and --ray do not go together: Ray places one actor per GPU itself")
     if args.workers is not None and args.ray is None:
@@ -168,7 +176,7 @@ def summary_table(s: dict) -> str:
                      + (f" (restarted after {', '.join(map(str, died))})" if died else ""))
     if s["failed_by_reason"]:
         lines.append("        failed: " + ", ".join(f"{k} {v}" for k, v in sorted(s["failed_by_reason"].items())))
-    lines.append(f"        results in {s['out']}/detections.jsonl" +
+    lines.append(f"        results in {s['results']}" +
                  (f", errors in {s['out']}/errors.jsonl" if s["failed"] else ""))
     return "\n".join(lines)
 
@@ -240,7 +248,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     overrides = args.overrides + option_overrides(device=args.device, batch_size=args.batch_size)
     report = run_bench(args.source, load_config(args.config, overrides), limit=args.limit,
                        iterations=args.iterations, skip_naive=args.skip_naive, naive_limit=args.naive_limit,
-                       latency=args.latency, passes=args.passes,
+                       latency=args.latency, passes=args.passes, output_format=args.output_format,
                        command=shlex.join(["gpudet", *args.argv]))
     if args.json:
         write_report(report, args.json)

@@ -1,4 +1,4 @@
-"""COCO: detections.jsonl -> a COCO results file mapped onto an annotation file's ids, and COCO metrics.
+"""COCO: detections.jsonl (or .parquet) -> a COCO results file mapped onto an annotation file's ids, and COCO metrics.
 
 Images are matched by file name: a record's path must end with an image's `file_name` (its
 relative path in the annotation file), or, failing that, have the same base name as exactly one
@@ -95,11 +95,28 @@ def evaluate(gt: dict, results: list[dict]) -> dict[str, float]:
 
 
 def read_detections(path: str | Path) -> list[dict]:
-    """The records of a detections.jsonl that gpudet detect wrote; a file that is not one is an
-    error naming its first bad line."""
+    """The records gpudet detect wrote: a detections.jsonl, a detections.parquet folder (or one of
+    its files), or the output folder that holds either. Anything else is an error naming the file
+    (and, for JSONL, its first bad line)."""
+    from .sinks import DETECTIONS, pyarrow_parquet
+
     path = Path(path)
+    if path.is_dir() and path.suffix != ".parquet":  # an output folder
+        path = next((path / name for name in DETECTIONS.values() if (path / name).exists()), path / "detections.jsonl")
+    if path.suffix == ".parquet" and path.exists():
+        pq = pyarrow_parquet()
+        try:
+            table = pq.read_table(path)
+        except (OSError, ValueError) as e:  # pyarrow's errors for what is not Parquet
+            raise ConfigError(f"{path}: not Parquet that gpudet detect wrote ({' '.join(str(e).split())[:200]})") \
+                from None
+        if not {"path", "detections"} <= set(table.column_names):
+            raise ConfigError(f"{path}: no 'path' and 'detections' columns; pass the detections.parquet folder "
+                              "gpudet detect wrote")
+        return table.to_pylist()
     if not path.is_file():
-        raise ConfigError(f"{path} does not exist; pass the detections.jsonl that gpudet detect wrote")
+        raise ConfigError(f"{path} does not exist; pass the detections.jsonl (or detections.parquet) that gpudet "
+                          "detect wrote, or its output folder")
     records = []
     with open(path, "rb") as f:
         for number, line in enumerate(f, 1):

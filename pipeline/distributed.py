@@ -54,11 +54,12 @@ class DetectActor:
     detections, and when this actor took its first image (epoch seconds: the driver's rate starts
     there, not at the first row back, which comes only after a whole Ray batch)."""
 
-    def __init__(self, config: Config, shards: str):
+    def __init__(self, config: Config, shards: str, output_format: str = "jsonl"):
         from .detector import Detector
 
         self.detector = Detector.from_config(config)
-        self.shard = OutputFolder(Path(shards) / f"{SHARD_PREFIX}{uuid.uuid4().hex[:12]}", resume=True)
+        self.shard = OutputFolder(Path(shards) / f"{SHARD_PREFIX}{uuid.uuid4().hex[:12]}",
+                                  output_format=output_format, resume=True)
         self.requests: queue.Queue = queue.Queue()
         self.failure: BaseException | None = None
         """Why the stream ended, if it did: every request from then on fails with it."""
@@ -84,7 +85,8 @@ class DetectActor:
 
     def _serve(self) -> None:
         """The stream over every request's images, in arrival order, in the detector's batches,
-        writing as batches finish and answering each request once all its images are recorded."""
+        writing as batches finish and answering each request once all its images are recorded
+        and written out (Ray may stop the actor as soon as the last request is answered)."""
         waiting: dict[int, tuple[Future, list]] = {}  # image index -> (its request's future, that request's rows)
         left: dict[int, int] = {}  # id(future) -> images of the request not yet recorded
 
@@ -106,6 +108,7 @@ class DetectActor:
             left[id(done)] -= 1
             if not left[id(done)]:
                 del left[id(done)]
+                self.shard.flush()
                 done.set_result(rows)
 
         def failed(errors: list[ImageError]) -> None:
@@ -116,8 +119,8 @@ class DetectActor:
         try:
             with self.shard.writing():
                 for batch, found in self.detector.stream_batches(batches(), failed):
-                    for record in self.shard.record(batch, found, self.detector.labels):
-                        recorded(record["index"], True, len(record["detections"]))
+                    for row in self.shard.record(batch, found, self.detector.labels):
+                        recorded(row.index, True, row.detections)
         except BaseException as e:  # the actor cannot go on: every request, waiting or queued, fails with the reason
             with self.lock:
                 self.failure = e
@@ -141,7 +144,8 @@ def check_before_starting(config: Config) -> dict:
 
 def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str | None = None, workers: int = 2,
                gpus_per_worker: float | None = None, root: str | None = None, progress: bool | None = None,
-               resume: bool = False, overwrite: bool = False, retry_failed: bool = False) -> RunResult:
+               output_format: str = "jsonl", resume: bool = False, overwrite: bool = False,
+               retry_failed: bool = False) -> RunResult:
     """`gpudet detect --ray [ADDRESS] --workers N`: an actor pool on a Ray cluster (a local one
     when no address is given)."""
     try:
@@ -153,7 +157,8 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
         raise ConfigError(f"--workers {workers}: give at least 1 detector actor")
     model = check_before_starting(config)
     show = sys.stderr.isatty() if progress is None else progress  # before Ray's messages are taken off stderr
-    with OutputFolder(out_dir, resume=resume, overwrite=overwrite, retry_failed=retry_failed) as folder:
+    with OutputFolder(out_dir, output_format=output_format, resume=resume, overwrite=overwrite,
+                      retry_failed=retry_failed) as folder:
         started_at, started = datetime.now(timezone.utc), time.perf_counter()
         shards = folder.path / SHARDS
         refs = list_images(source, root=root)
@@ -161,11 +166,12 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
         failure, streaming, gpus = None, 0.0, gpus_per_worker
         if todo:
             try:
-                streaming, gpus, failure = run_actors(ray, todo, config, shards, address, workers, gpus, show)
+                streaming, gpus, failure = run_actors(ray, todo, config, folder.format, shards, address, workers,
+                                                      gpus, show)
             except KeyboardInterrupt:  # what the actors wrote stays in their shards; --resume goes on
                 folder.tally.interrupted = True
         owned = {r.index for r in todo}
-        folder.merge(lambda name, record: folder.tally.count(name, record) if record["index"] in owned else None)
+        folder.merge(lambda row: folder.tally.count(row) if row.index in owned else None)
         elapsed = time.perf_counter() - started
         missing = len(todo) - folder.tally.processed - folder.tally.failed
         summary = folder.write_summary(
@@ -181,8 +187,8 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
     return RunResult(summary, folder.tally.exit_code)
 
 
-def run_actors(ray, todo: list[ImageRef], config: Config, shards: Path, address: str | None, workers: int,
-               gpus: float | None, show: bool) -> tuple[float, float, str | None]:
+def run_actors(ray, todo: list[ImageRef], config: Config, output_format: str, shards: Path, address: str | None,
+               workers: int, gpus: float | None, show: bool) -> tuple[float, float, str | None]:
     """Ray started (or reached), the actors streamed over `todo`, Ray shut down if started here.
     Returns the stream's seconds, the GPUs per actor, and why Ray gave up (None if it did not)."""
     started_here = not ray.is_initialized()
@@ -192,7 +198,8 @@ def run_actors(ray, todo: list[ImageRef], config: Config, shards: Path, address:
             if gpus is None:  # one GPU per actor where the cluster has GPUs and the config allows
                 gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 and config.run.device != "cpu" else 0.0
             try:
-                return stream(ray, todo, config, shards, workers, gpus, stderr if show else None), gpus, None
+                return stream(ray, todo, config, output_format, shards, workers, gpus,
+                              stderr if show else None), gpus, None
             except ray.exceptions.RayError as e:  # Ray gave up (an actor kept failing, the cluster went)
                 return 0.0, gpus, " ".join(str(e).split())[:500]
         finally:
@@ -217,7 +224,7 @@ def ray_batch(batch_size: int, images: int, workers: int) -> int:
     return min(batch_size * RAY_BATCH, max(batch_size, -(-share // batch_size) * batch_size))
 
 
-def stream(ray, todo: list[ImageRef], config: Config, shards: Path, workers: int, gpus: float,
+def stream(ray, todo: list[ImageRef], config: Config, output_format: str, shards: Path, workers: int, gpus: float,
            progress: TextIO | None) -> float:
     """The actor pool over `todo`, waiting for every image's row (a progress bar counts them on
     `progress`, the terminal's stderr, where given).
@@ -226,7 +233,8 @@ def stream(ray, todo: list[ImageRef], config: Config, shards: Path, workers: int
     from tqdm import tqdm
 
     dataset = ray.data.from_items([{"index": r.index, "path": r.path} for r in todo])
-    detected = dataset.map_batches(DetectActor, fn_constructor_kwargs={"config": config, "shards": str(shards)},
+    detected = dataset.map_batches(DetectActor, fn_constructor_kwargs={"config": config, "shards": str(shards),
+                                                                       "output_format": output_format},
                                    batch_size=ray_batch(config.run.batch_size, len(todo), workers),
                                    compute=ray.data.ActorPoolStrategy(size=workers),
                                    num_gpus=gpus, num_cpus=1, batch_format="numpy")

@@ -1,8 +1,8 @@
 """Several devices of one host: one worker process per device, each with its own DALI pipeline
 and ORT session on its share of the images, merged into the usual output files.
 
-    out/shards/K/{detections,errors}.jsonl, summary.json   what worker K wrote (append-only)
-    out/{detections,errors}.jsonl                          the merge: every input exactly once
+    out/shards/K/detections.*, errors.jsonl, summary.json  what worker K wrote (append-only)
+    out/detections.*, errors.jsonl                         the merge: every input exactly once
     out/summary.json                                       totals and one entry per worker
 
 The parent lists the images, takes out those already recorded (--resume), deals the rest
@@ -37,7 +37,7 @@ from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, 
     logging_settings, setup_logging, signals_held
 from .results import ImageRef
 from .runner import detect_into
-from .sinks import RESULT_FILES, SHARDS, OutputFolder, RunResult, Tally, recorded
+from .sinks import SHARDS, OutputFolder, RunResult, Row, Tally, recorded, records_in, result_paths
 from .source import list_images
 
 log = logging.getLogger("gpudet")
@@ -71,7 +71,7 @@ def parse_devices(text: str) -> list[str]:
     return devices
 
 
-def _worker(todo: list[ImageRef], shard: str, config: Config, source: str, images: int,
+def _worker(todo: list[ImageRef], shard: str, config: Config, output_format: str, source: str, images: int,
             logging_setup: tuple[str, bool]) -> None:
     """One worker process: the single-device run over its share, appended to its shard; exit
     code as `gpudet detect`'s. It logs as the parent does; it stops on SIGTERM, which the parent
@@ -82,18 +82,10 @@ def _worker(todo: list[ImageRef], shard: str, config: Config, source: str, image
     def run() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # held by the parent
-        with OutputFolder(shard, resume=True) as folder:
+        with OutputFolder(shard, output_format=output_format, resume=True) as folder:
             return detect_into(folder, todo, config, source=source, images=images, progress=False).exit_code
 
     sys.exit(guarded(run))
-
-
-def _lines(path: Path) -> int:
-    try:
-        with open(path, "rb") as f:
-            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
-    except FileNotFoundError:
-        return 0
 
 
 @dataclass
@@ -115,10 +107,11 @@ class Worker:
 
 
 def run_on_devices(source: str, out_dir: str | Path, config: Config, devices: list[str], *, root: str | None = None,
-                   progress: bool | None = None, resume: bool = False, overwrite: bool = False,
-                   retry_failed: bool = False) -> RunResult:
+                   progress: bool | None = None, output_format: str = "jsonl", resume: bool = False,
+                   overwrite: bool = False, retry_failed: bool = False) -> RunResult:
     """`gpudet detect --devices ...`: one worker per device, results merged into out_dir."""
-    with OutputFolder(out_dir, resume=resume, overwrite=overwrite, retry_failed=retry_failed) as folder:
+    with OutputFolder(out_dir, output_format=output_format, resume=resume, overwrite=overwrite,
+                      retry_failed=retry_failed) as folder:
         return _run_on_devices(folder, source, config, devices, root=root, progress=progress)
 
 
@@ -134,8 +127,8 @@ def _run_on_devices(folder: OutputFolder, source: str, config: Config, devices: 
         (worker.shard / "summary.json").unlink(missing_ok=True)  # each process writes its own
         worker_config = replace(config, run=replace(config.run, device=worker.device))
         worker.process = context.Process(target=_worker, name=f"gpudet-worker{worker.shard.name}-{worker.device}",
-                                         args=(images, str(worker.shard), worker_config, str(source), len(refs),
-                                               logging_settings()))
+                                         args=(images, str(worker.shard), worker_config, folder.format,
+                                               str(source), len(refs), logging_settings()))
         worker.left = len(images)
         # The worker inherits SIGINT and SIGTERM blocked (they would break its imports of torch, DALI
         # and ORT) and unblocks them once its handlers are in place; one sent meanwhile waits. The
@@ -152,7 +145,7 @@ def _run_on_devices(folder: OutputFolder, source: str, config: Config, devices: 
         if code >= 0 or worker.restarts_left == 0:
             return False
         # Reading the shard cuts a torn last line (a kill mid-write) off, so the next run appends whole lines.
-        done = set().union(*recorded([worker.shard / name for name in RESULT_FILES], refs).values())
+        done = set().union(*recorded(result_paths(worker.shard, folder.format), refs))
         left = [r for r in worker.share if r.index not in done]
         if not left or len(left) == worker.left:
             return False
@@ -168,30 +161,32 @@ def _run_on_devices(folder: OutputFolder, source: str, config: Config, devices: 
     try:
         for worker in workers:
             start(worker, worker.share)
-        _wait_with_progress(workers, len(todo), progress, restarted)
+        files = [path for w in workers for path in result_paths(w.shard, folder.format)]
+        _wait_with_progress(workers, files, len(todo), progress, restarted)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: each worker ends its batch; what they wrote is merged
         workers = [w for w in workers if w.process is not None]
         _stop(workers)
         folder.tally.interrupted = True
     owner = {r.index: w for w in workers for r in w.share}
 
-    def count(name: str, record: dict) -> None:
-        worker = owner.get(record["index"])
+    def count(row: Row) -> None:
+        worker = owner.get(row.index)
         if worker is not None:  # else recorded by an earlier run
-            worker.tally.count(name, record)
-            folder.tally.count(name, record)
+            worker.tally.count(row)
+            folder.tally.count(row)
 
     folder.merge(count)
     return _summarise(folder, source, config, refs, todo, devices, workers, started, started_at)
 
 
-def _wait_with_progress(workers: list[Worker], total: int, progress: bool | None,
+def _wait_with_progress(workers: list[Worker], files: list[Path], total: int, progress: bool | None,
                         restarted: Callable[[Worker], bool]) -> None:
+    """Until every worker has ended (restarted where it died), a bar of the records in `files`,
+    the workers' result files."""
     from tqdm import tqdm
 
     show = sys.stderr.isatty() if progress is None else progress
-    files = [w.shard / name for w in workers for name in RESULT_FILES]
-    baseline = sum(_lines(f) for f in files)
+    baseline = sum(records_in(f) for f in files)
 
     def running() -> bool:
         for w in workers:
@@ -203,7 +198,7 @@ def _wait_with_progress(workers: list[Worker], total: int, progress: bool | None
     with tqdm(total=total, unit="img", disable=not show, dynamic_ncols=True) as bar:
         while True:
             more = running()
-            bar.n = sum(_lines(f) for f in files) - baseline
+            bar.n = sum(records_in(f) for f in files) - baseline
             bar.refresh()
             if not more:
                 break

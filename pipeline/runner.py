@@ -1,7 +1,7 @@
 """One process, one device: `gpudet detect` over a source into an output folder, resumable.
 
 It drives `Detector.stream` (the data path) and writes what comes out through `OutputFolder`:
-detections.jsonl, errors.jsonl and summary.json. The --devices workers run this too, each on
+detections.jsonl (or detections.parquet/), errors.jsonl and summary.json. The --devices workers run this too, each on
 its share of the images.
 """
 
@@ -25,10 +25,12 @@ from .timing import StageClock, process_seconds
 
 
 def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | None = None,
-               progress: bool | None = None, resume: bool = False, overwrite: bool = False,
-               retry_failed: bool = False) -> RunResult:
-    """Detect on every image of `source`, streaming results into `out_dir`."""
-    with OutputFolder(out_dir, resume=resume, overwrite=overwrite, retry_failed=retry_failed) as folder:
+               progress: bool | None = None, output_format: str = "jsonl", resume: bool = False,
+               overwrite: bool = False, retry_failed: bool = False) -> RunResult:
+    """Detect on every image of `source`, streaming results into `out_dir` (output_format: "jsonl"
+    or "parquet", sinks.FORMATS)."""
+    with OutputFolder(out_dir, output_format=output_format, resume=resume, overwrite=overwrite,
+                      retry_failed=retry_failed) as folder:
         refs = list_images(source, root=root)
         return detect_into(folder, folder.begin(refs), config, source=str(source), images=len(refs),
                            progress=progress)

@@ -1,14 +1,19 @@
 """Sinks: what a run writes into its output folder, streamed as results come.
 
-    detections.jsonl  one record per input image that was processed, also with no detections
-    errors.jsonl      one record per input image that could not be processed, with the reason
-    summary.json      counts, per-stage time, throughput, device, model, resolved config
+    detections.jsonl    one record per input image that was processed, also with no detections
+      or
+    detections.parquet/ the same, one row per image (--format parquet): a folder of Parquet files
+                        that pandas, DuckDB, Spark and pyarrow read as one table
+    errors.jsonl        one record per input image that could not be processed, with the reason
+    summary.json        counts, per-stage time, throughput, device, model, resolved config
 
 `OutputFolder` is the one type every runner writes through (one process, each --devices worker
 and their merge, the --ray driver, bench): what --resume and --overwrite mean, the records, the
 summary and the exit code. Each batch's lines are one write of whole lines, flushed, so a kill
-leaves at most a torn last line (cut off by the next --resume); summary.json is replaced
-atomically. Every input ends in exactly one of the two JSONL files.
+leaves at most a torn last line (cut off by the next --resume); Parquet rows are written a
+file at a time under a temporary name, so a kill loses at most the rows not yet written (their
+images are not recorded: --resume processes them) and never leaves a torn file; summary.json is
+replaced atomically. Every input ends in exactly one of the detections and errors files.
 """
 
 from __future__ import annotations
@@ -19,22 +24,42 @@ import json
 import os
 import shutil
 import socket
+import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import orjson
 
 from ._version import __version__
-from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, OutputError, OutputWriteError
-from .results import Detections, ImageError, ImageRef, detection_records
+from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, ConfigError, OutputError, OutputWriteError
+from .results import Detections, ImageError, ImageRef, detection_records, label_name
 
-RESULT_FILES = ("detections.jsonl", "errors.jsonl")
+DETECTIONS = {"jsonl": "detections.jsonl", "parquet": "detections.parquet"}
+"""The processed images' file in each output format (--format); JSONL is the default."""
+FORMATS = tuple(DETECTIONS)
+ERRORS = "errors.jsonl"
 SHARDS = "shards"
+
+
+def result_paths(folder: Path, output_format: str) -> list[Path]:
+    """The detections and errors files of an output folder or of one of its shards."""
+    return [folder / DETECTIONS[output_format], folder / ERRORS]
+
+
+class Row(NamedTuple):
+    """What a run's tally counts of one record."""
+
+    index: int
+    processed: bool
+    detections: int = 0
+    reason: str | None = None
 
 
 def jsonl(records: list[dict]) -> bytes:
@@ -126,6 +151,182 @@ class JsonlWriter:
     def __exit__(self, *exc) -> None:
         os.close(self._fd)
 
+    def flush(self) -> None:
+        """Nothing to do: each batch was written whole when appended."""
+
+
+def pyarrow_parquet():
+    """pyarrow.parquet, or a ConfigError saying how to install it."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError("--format parquet needs pyarrow: pip install 'gpudet[parquet]' (or pyarrow)") from None
+    return pq
+
+
+class ParquetWriter:
+    """detections.parquet/: a folder of Parquet files, one row per image (Spark's layout: pandas,
+    DuckDB, Spark and pyarrow read the folder as one table). Use as a context manager,
+    `append(table)` once per batch. Rows are held and written as one file, named in writing
+    order, every FLUSH_ROWS images or FLUSH_S seconds, on `flush()` and at the end; each file is
+    written under a temporary name and renamed, never through a symbolic link. Files of earlier
+    runs stay (resume adds to them)."""
+
+    FLUSH_ROWS = 65_536
+    FLUSH_S = 10.0
+    """A kill loses at most this long of work (those images are not recorded: --resume processes
+    them); larger files are better for readers, and a file's cost is paid once per flush."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.count = 0
+        self._tables: list = []
+        self._rows = 0
+        self._flushed = time.monotonic()
+
+    def __enter__(self) -> ParquetWriter:
+        make_parquet_folder(self.path)
+        return self
+
+    def append(self, table) -> None:
+        self._tables.append(table)
+        self._rows += table.num_rows
+        self.count += table.num_rows
+        if self._rows >= self.FLUSH_ROWS or time.monotonic() - self._flushed >= self.FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the rows held, as one file."""
+        import pyarrow as pa
+
+        self._flushed = time.monotonic()
+        if not self._rows:
+            return
+        table = pa.concat_tables(self._tables)
+        self._tables, self._rows = [], 0
+        write_parquet(table, self.path / f"part-{time.time_ns()}-{uuid.uuid4().hex[:8]}.parquet")
+
+    def __exit__(self, *exc) -> None:
+        self.flush()
+
+
+def make_parquet_folder(path: Path) -> None:
+    """The detections.parquet folder, made if missing, without a writer's leftovers (a kill's
+    temporary file)."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise OutputError(f"{path} is not a folder gpudet wrote; remove it, or write into another folder")
+    try:
+        path.mkdir(exist_ok=True)
+    except OSError as e:
+        raise OutputWriteError(path, e) from None
+    for tmp in path.glob("*.tmp"):
+        tmp.unlink()
+
+
+def write_parquet(table, path: Path) -> None:
+    """`table` written to `path` whole or not at all (a temporary file renamed over it)."""
+    pq = pyarrow_parquet()
+    tmp = path.with_name(path.name + ".tmp")
+    fd = open_for_writing(tmp, os.O_EXCL)
+    try:
+        with os.fdopen(fd, "wb") as f:  # buffered: its last write may come as it closes
+            pq.write_table(table, f)
+    except OSError as e:  # disk full, a file size limit: the temporary file goes, nothing else changes
+        tmp.unlink(missing_ok=True)
+        raise OutputWriteError(path, e) from None
+    os.replace(tmp, path)
+
+
+def parquet_files(folder: Path) -> list[Path]:
+    """A detections.parquet folder's files, in writing order (none if it does not exist)."""
+    return sorted(p for p in folder.glob("*.parquet") if p.is_file()) if folder.is_dir() else []
+
+
+def text_path(path: str) -> str:
+    """The path as Parquet's UTF-8 text holds it: itself, or, for a file name that is not UTF-8
+    (Python's lone surrogates), its bytes with the ones that are not UTF-8 written as \\xNN."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def detection_table(refs: list[ImageRef], orig_hw: np.ndarray, detections: Detections, label_names: list[str]):
+    """A batch's rows for detections.parquet, built from the arrays without a Python object per
+    detection: the fields and values of `detection_records` (boxes rounded to 0.01 px, scores to
+    1e-5), the detections of an image as a list of structs, best first."""
+    import pyarrow as pa
+
+    order = np.argsort(detections.batch_index, kind="stable")  # grouped by image, best first within
+    per_image = np.bincount(detections.batch_index, minlength=len(refs))[:len(refs)]
+    m = len(order)
+    labels = detections.labels[order].astype(np.int64)
+    label_values, label_rows = np.unique(labels, return_inverse=True)
+    names = pa.array(label_name(label_names, label_values.tolist()), pa.string()).take(pa.array(label_rows.ravel()))
+    fields = {"box": pairs_of(np.round(detections.boxes_xyxy[order].astype(np.float64), 2), 4),
+              "score": pa.array(np.round(detections.scores[order].astype(np.float64), 5)),
+              "label": pa.array(labels), "name": names}
+    if detections.landmarks is not None:
+        points = np.round(detections.landmarks[order].astype(np.float64), 2)  # [M, K, 2]
+        fields["landmarks"] = nested_list(pairs_of(points.reshape(-1, 2), 2), m, points.shape[1])
+    items = pa.StructArray.from_arrays(list(fields.values()), names=list(fields))
+    offsets = np.concatenate([[0], np.cumsum(per_image)]).astype(np.int32)
+    hw = np.asarray(orig_hw, np.int64)[:len(refs)]  # [B, 2] (height, width); a batch may hold more rows
+    return pa.table({"index": pa.array([r.index for r in refs], pa.int64()),
+                     "path": pa.array([text_path(r.path) for r in refs], pa.string()),
+                     "width": pa.array(hw[:, 1]), "height": pa.array(hw[:, 0]),
+                     "detections": pa.ListArray.from_arrays(pa.array(offsets), items)})
+
+
+def pairs_of(values: np.ndarray, size: int):
+    """Rows of `size` numbers ([N, size] float64) as a list<double> array of N lists."""
+    import pyarrow as pa
+
+    return nested_list(pa.array(values.ravel()), len(values), size)
+
+
+def nested_list(values, count: int, size: int):
+    """`count` lists of `size` consecutive items of `values`."""
+    import pyarrow as pa
+
+    return pa.ListArray.from_arrays(pa.array(np.arange(0, count * size + 1, size, dtype=np.int32)), values)
+
+
+def records_in(path: Path) -> int:
+    """How many records a detections or errors file holds, for progress: JSONL lines counted, a
+    Parquet folder's rows read from its files' footers."""
+    if path.suffix == ".parquet":
+        pq = pyarrow_parquet()
+        rows = 0
+        for part in parquet_files(path):
+            try:
+                rows += pq.read_metadata(part).num_rows
+            except FileNotFoundError:  # moved by a merge since it was listed
+                pass
+        return rows
+    try:
+        with open(path, "rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    except FileNotFoundError:
+        return 0
+
+
+def holds_results(path: Path) -> bool:
+    """Whether a detections or errors file (or Parquet folder) holds any record."""
+    if path.suffix == ".parquet":
+        return bool(parquet_files(path))
+    return path.is_file() and path.stat().st_size > 0
+
+
+def indexed_paths(path: Path) -> Iterator[tuple[int, str]]:
+    """(index, path) of every record a result file of an earlier run holds (a JSONL file's torn
+    last line cut off; a Parquet folder's two columns read, not its detections)."""
+    if path.suffix == ".parquet":
+        pq = pyarrow_parquet()
+        for part in parquet_files(path):
+            table = pq.read_table(part, columns=["index", "path"])
+            yield from zip(table["index"].to_pylist(), table["path"].to_pylist())
+    else:
+        for record in read_complete_records(path):
+            yield record.get("index"), record.get("path")
+
 
 def open_for_writing(path: Path, mode: int) -> int:
     """A file descriptor to write `path`, never through a symbolic link (a link planted in the
@@ -177,14 +378,13 @@ class Tally:
     """Images an earlier run into the folder recorded as failed (a --resume's)."""
     failed_by_reason: Counter = field(default_factory=Counter)
 
-    def count(self, name: str, record: dict) -> None:
-        """One record of RESULT_FILES[0] (a processed image) or [1] (a failed one)."""
-        if name == RESULT_FILES[0]:
+    def count(self, row: Row) -> None:
+        if row.processed:
             self.processed += 1
-            self.detections += len(record.get("detections") or [])
+            self.detections += row.detections
         else:
             self.failed += 1
-            self.failed_by_reason[record.get("reason", "unknown")] += 1
+            self.failed_by_reason[row.reason or "unknown"] += 1
 
     @property
     def exit_code(self) -> int:
@@ -202,20 +402,27 @@ class OutputFolder:
     and count them in `tally`. Use as a context manager."""
 
     LOCK = ".gpudet.lock"
-    FILES = RESULT_FILES + ("summary.json", "summary.json.tmp") + tuple(name + ".tmp" for name in RESULT_FILES)
+    FILES = (*DETECTIONS.values(), ERRORS, "summary.json", "summary.json.tmp", "detections.jsonl.tmp",
+             ERRORS + ".tmp")
 
-    def __init__(self, path: str | Path, *, resume: bool = False, overwrite: bool = False,
-                 retry_failed: bool = False):
-        """resume: continue, skipping what is recorded; retry_failed (with resume): also process
-        again the images recorded as failed; overwrite: start again."""
+    def __init__(self, path: str | Path, *, output_format: str = "jsonl", resume: bool = False,
+                 overwrite: bool = False, retry_failed: bool = False):
+        """output_format: how processed images are written, "jsonl" or "parquet" (FORMATS; errors
+        are JSONL in both); resume: continue, skipping what is recorded; retry_failed (with
+        resume): also process again the images recorded as failed; overwrite: start again."""
         self._lock = -1
         self.path = Path(path)
+        if output_format not in FORMATS:
+            raise ConfigError(f"--format {output_format}: give one of {', '.join(FORMATS)}")
+        if output_format == "parquet":
+            pyarrow_parquet()
         if retry_failed and not resume:
             raise OutputError("--retry-failed goes with --resume: it processes again what an earlier run into "
                               f"{self.path} recorded as failed")
+        self.format = output_format
         self.resume, self.overwrite, self.retry_failed = resume, overwrite, retry_failed
         self.tally = Tally()
-        self._writers: tuple[JsonlWriter, JsonlWriter] | None = None
+        self._writers: tuple[JsonlWriter | ParquetWriter, JsonlWriter] | None = None
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -244,7 +451,8 @@ class OutputFolder:
 
     @property
     def files(self) -> list[Path]:
-        return [self.path / name for name in RESULT_FILES]
+        """This folder's detections file (DETECTIONS[format]) and errors.jsonl."""
+        return result_paths(self.path, self.format)
 
     @property
     def shards(self) -> list[Path]:
@@ -256,26 +464,34 @@ class OutputFolder:
     def begin(self, refs: list[ImageRef]) -> list[ImageRef]:
         """Start a run over `refs`: the images it must process. An earlier run's summary.json goes
         first, so that a summary always describes the run that wrote it, whatever stops this one.
-        Records in the shards count as this folder's; --overwrite removes them with the files;
-        retry_failed empties every errors.jsonl, so that those images are processed again. The
-        images recorded as failed before count in `tally.failed_before` (and in the exit code)."""
+        Records in the shards count as this folder's; --overwrite removes them with the files (of
+        either format); retry_failed empties every errors.jsonl, so that those images are
+        processed again. The images recorded as failed before count in `tally.failed_before`
+        (and in the exit code)."""
         if self.overwrite:
             shutil.rmtree(self.path / SHARDS, ignore_errors=True)
+            shutil.rmtree(self.path / DETECTIONS["parquet"], ignore_errors=True)
+            if self.format != "jsonl":
+                (self.path / DETECTIONS["jsonl"]).unlink(missing_ok=True)
             for path in self.files:
-                if path.exists():
+                if path.is_file():
                     os.close(open_for_writing(path, os.O_TRUNC))
         (self.path / "summary.json").unlink(missing_ok=True)
-        existing = [p for p in self.files + [s / name for s in self.shards for name in RESULT_FILES]
-                    if p.exists() and p.stat().st_size]
+        folders = [self.path, *self.shards]
+        other = next((name for name in FORMATS if name != self.format), None)
+        written = [f / DETECTIONS[other] for f in folders if holds_results(f / DETECTIONS[other])]
+        if written and not self.overwrite:
+            raise OutputError(f"{written[0]} holds results in {other}; give --format {other} to continue that run, "
+                              "or --overwrite to start again")
+        existing = [p for f in folders for p in result_paths(f, self.format) if holds_results(p)]
         if existing and not self.resume:
             raise OutputError(f"{existing[0]} already holds results; pass --resume to process only the images "
                               "not yet recorded there, or --overwrite to start again")
-        found = recorded(existing, refs)
-        processed = found[RESULT_FILES[0]]
-        failed = found[RESULT_FILES[1]] - processed
+        processed, failed = recorded(existing, refs)
+        failed -= processed
         if self.retry_failed:  # checked to be this source's above; processed again from here
             for path in existing:
-                if path.name == RESULT_FILES[1]:
+                if path.name == ERRORS:
                     os.close(open_for_writing(path, os.O_TRUNC))
             failed = set()
         self.tally.failed_before = len(failed)
@@ -283,59 +499,102 @@ class OutputFolder:
 
     @contextmanager
     def writing(self) -> Iterator[OutputFolder]:
-        """The two JSONL files open for this run: appended to with --resume, else started anew.
-        Call `begin` first (a --devices worker's shard: its parent removes the shard's summary)."""
-        with JsonlWriter(self.files[0], append=self.resume) as results, \
-                JsonlWriter(self.files[1], append=self.resume) as errors:
+        """The detections and errors files open for this run: appended to with --resume, else
+        started anew. Call `begin` first (a --devices worker's shard: its parent removes the
+        shard's summary)."""
+        detections = JsonlWriter(self.files[0], append=self.resume) if self.format == "jsonl" else \
+            ParquetWriter(self.files[0])
+        with detections as results, JsonlWriter(self.files[1], append=self.resume) as errors:
             self._writers = (results, errors)
             try:
                 yield self
             finally:
                 self._writers = None
 
-    def record(self, batch, found: Detections, labels: list[str]) -> list[dict]:
-        """A batch's records (one per image: detection_records of its refs, original sizes and
-        detections), one write; returns them."""
-        records = detection_records(batch.refs, batch.orig_hw, found, labels)
-        self._writers[0].append(records)
-        for record in records:
-            self.tally.count(RESULT_FILES[0], record)
-        return records
+    def record(self, batch, found: Detections, labels: list[str]) -> list[Row]:
+        """A batch's records (one per image: its ref, original size and detections), one write
+        (Parquet: held until the writer's next file); returns what the tally counted of them."""
+        if self.format == "jsonl":
+            records = detection_records(batch.refs, batch.orig_hw, found, labels)
+            self._writers[0].append(records)
+            rows = [Row(r["index"], True, len(r["detections"])) for r in records]
+        else:
+            self._writers[0].append(detection_table(batch.refs, batch.orig_hw, found, labels))
+            per_image = np.bincount(found.batch_index, minlength=len(batch.refs)).tolist()
+            rows = [Row(ref.index, True, n) for ref, n in zip(batch.refs, per_image)]
+        for row in rows:
+            self.tally.count(row)
+        return rows
 
     def fail(self, errors: list[ImageError]) -> None:
         """Images that could not be processed, one write."""
-        records = [e.to_record() for e in errors]
-        self._writers[1].append(records)
-        for record in records:
-            self.tally.count(RESULT_FILES[1], record)
+        self._writers[1].append([e.to_record() for e in errors])
+        for e in errors:
+            self.tally.count(Row(e.index, False, reason=e.reason))
 
-    def merge(self, count: Callable[[str, dict], None] = lambda name, record: None) -> None:
-        """Rewrite this folder's JSONL files as the union, by image index, of what they hold and what
+    def flush(self) -> None:
+        """Every record so far written out (the Parquet writer holds rows until its next file)."""
+        self._writers[0].flush()
+
+    def merge(self, count: Callable[[Row], None] = lambda row: None) -> None:
+        """Rewrite this folder's files as the union, by image index, of what they hold and what
         every shard holds, each image once (an image recorded as processed anywhere is not also
-        kept as failed); streamed, written in large blocks, each file replaced atomically. `count`
-        sees each record kept."""
+        kept as failed); streamed, each file replaced atomically (Parquet: each shard's files
+        moved in, those with an image already seen rewritten without it). `count` sees each
+        record kept."""
         seen: set[int] = set()
         shards = self.shards
-        for name in RESULT_FILES:
-            tmp = self.path / (name + ".tmp")
-            tmp.unlink(missing_ok=True)
-            fd = open_for_writing(tmp, os.O_EXCL)
-            try:
-                block: list[bytes] = []
-                for path in [self.path / name] + [shard / name for shard in shards]:
-                    for line in iter_complete_lines(path):
-                        record = parse_record(line)
-                        if record["index"] not in seen:
-                            seen.add(record["index"])
-                            count(name, record)
-                            block.append(line)
-                            if len(block) == 4096:
-                                write_all(fd, b"".join(block), tmp)
-                                block.clear()
-                write_all(fd, b"".join(block), tmp)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path / name)
+        if self.format == "parquet":
+            self._merge_parquet(seen, count)
+        else:
+            self._merge_jsonl(DETECTIONS["jsonl"], shards, seen, lambda r: count(Row(r["index"], True,
+                                                                                     len(r["detections"]))))
+        self._merge_jsonl(ERRORS, shards, seen, lambda r: count(Row(r["index"], False, reason=r.get("reason"))))
+
+    def _merge_jsonl(self, name: str, shards: list[Path], seen: set[int], count: Callable[[dict], None]) -> None:
+        tmp = self.path / (name + ".tmp")
+        tmp.unlink(missing_ok=True)
+        fd = open_for_writing(tmp, os.O_EXCL)
+        try:
+            block: list[bytes] = []
+            for path in [self.path / name] + [shard / name for shard in shards]:
+                for line in iter_complete_lines(path):
+                    record = parse_record(line)
+                    if record["index"] not in seen:
+                        seen.add(record["index"])
+                        count(record)
+                        block.append(line)
+                        if len(block) == 4096:
+                            write_all(fd, b"".join(block), tmp)
+                            block.clear()
+            write_all(fd, b"".join(block), tmp)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path / name)
+
+    def _merge_parquet(self, seen: set[int], count: Callable[[Row], None]) -> None:
+        import pyarrow.compute as pc
+
+        pq = pyarrow_parquet()
+        target = self.path / DETECTIONS["parquet"]
+        make_parquet_folder(target)
+        for folder in [target] + [shard / DETECTIONS["parquet"] for shard in self.shards]:
+            for part in parquet_files(folder):
+                table = pq.read_table(part)
+                found = pc.list_value_length(table["detections"]).to_pylist()
+                keep = [index not in seen for index in table["index"].to_pylist()]
+                for index, detections, kept in zip(table["index"].to_pylist(), found, keep):
+                    if kept:
+                        seen.add(index)
+                        count(Row(index, True, detections))
+                if all(keep):
+                    if folder != target:
+                        os.replace(part, target / part.name)
+                    continue
+                if any(keep):  # an image recorded twice (a Ray batch run again): this file without it
+                    write_parquet(table.filter(keep), target / part.name)
+                if part.parent != target or not any(keep):
+                    part.unlink()
 
     def write_summary(self, *, source: str, images: int, todo: int, device: str, seconds: dict[str, float],
                       loop_seconds: float, started: datetime, model: dict | None = None, config: dict | None = None,
@@ -344,7 +603,8 @@ class OutputFolder:
         what ran it. images_per_s counts the images recorded per second of the loop (after setup)."""
         t = self.tally
         summary = {
-            "gpudet": __version__, "source": source, "out": str(self.path), "images": images,
+            "gpudet": __version__, "source": source, "out": str(self.path), "results": str(self.files[0]),
+            "format": self.format, "images": images,
             "already_done": images - todo, "already_failed": t.failed_before, "processed": t.processed,
             "failed": t.failed,
             "failed_by_reason": dict(t.failed_by_reason), "detections": t.detections, "interrupted": t.interrupted,
@@ -380,18 +640,20 @@ def hold_lock(path: Path, folder: Path) -> int:
     return fd
 
 
-def recorded(paths: Iterable[Path], refs: list[ImageRef]) -> dict[str, set[int]]:
-    """Indices recorded in result files of earlier runs, by file name (RESULT_FILES), each checked
-    to belong to `refs`."""
+def recorded(paths: Iterable[Path], refs: list[ImageRef]) -> tuple[set[int], set[int]]:
+    """The indices recorded as processed and as failed in result files of earlier runs (detections
+    files, errors.jsonl), each checked to belong to `refs`."""
     by_index = {r.index: r.path for r in refs}
-    found: dict[str, set[int]] = {name: set() for name in RESULT_FILES}
+    processed: set[int] = set()
+    failed: set[int] = set()
     for path in paths:
-        done = found[path.name]
-        for record in read_complete_records(path):
-            index = record.get("index")
-            if by_index.get(index) != record.get("path"):
+        done = failed if path.name == ERRORS else processed
+        as_text = path.suffix == ".parquet"
+        for index, image in indexed_paths(path):
+            expected = by_index.get(index)
+            if expected is None or image != (text_path(expected) if as_text else expected):
                 raise OutputError(
-                    f"{path}: record {index} ({record.get('path')}) is not image {index} of this source; resume with "
+                    f"{path}: record {index} ({image}) is not image {index} of this source; resume with "
                     "the same source (and --root), or use --overwrite")
             done.add(index)
-    return found
+    return processed, failed

@@ -102,10 +102,12 @@ def gpudet_rows(paths_file: str, files: dict[str, Path], batch: int, log) -> dic
         detector = Detector.from_config(config)
         list(detector.stream(refs[:batch], lambda errors: None))  # the first batch: DALI's and the decoder's start
         setup_s = time.perf_counter() - start
-        run, = gpudet_passes(refs, detector, warm_up=False)
-        results[name] = row(len(refs), run.seconds, round(run.detections_per_image * len(refs)), setup_s,
-                            stages_s=run.stages)
-        log(f"{name}: {results[name]}")
+        for output_format in ("jsonl", "parquet"):  # the same detector: its setup is paid once
+            run, = gpudet_passes(refs, detector, warm_up=False, output_format=output_format)
+            label = name if output_format == "jsonl" else f"{name}, --format parquet"
+            results[label] = row(len(refs), run.seconds, round(run.detections_per_image * len(refs)), setup_s,
+                                 stages_s=run.stages)
+            log(f"{label}: {results[label]}")
         if model == "heads_fp16_load" and not overrides:  # the same engine, its options, one batch again and again
             items = [i for i in map(read_checked, refs[:detector.batch_size]) if isinstance(i, EncodedImage)]
             results["ort alone"] = {"images_per_s": round(model_images_per_s(items, detector, iterations=50), 1),
@@ -333,7 +335,11 @@ def main() -> None:
              "gpudet / naive": ("gpudet", "naive (PIL + numpy + session.run, fp32, batch 1)"),
              "ort alone / torch eager": ("ort alone", "torch eager fp16 channels_last (model only)"),
              "gpudet heavy-NMS bound / gpudet zero-load bound": ("gpudet, heavy-NMS bound (score 0: 300 per image)",
-                                                                 "gpudet, zero-load bound (no detection survives)")}
+                                                                 "gpudet, zero-load bound (no detection survives)"),
+             "gpudet heavy-NMS bound / gpudet zero-load bound, --format parquet": (
+                 "gpudet, heavy-NMS bound (score 0: 300 per image), --format parquet",
+                 "gpudet, zero-load bound (no detection survives), --format parquet"),
+             "gpudet --format parquet / ort alone": ("gpudet, --format parquet", "ort alone")}
     report["ratios"] = {name: round(rate[top] / rate[bottom], 3) for name, (top, bottom) in pairs.items()
                         if rate.get(top) and rate.get(bottom)}
     report_path.write_text(json.dumps(report, indent=2) + "\n")

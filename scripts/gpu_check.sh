@@ -5,7 +5,7 @@
 #   OUT=DIR bash scripts/gpu_check.sh tests       # the cuda-marked tests (TESTS="a.py b.py::test": only those)
 #   OUT=DIR bash scripts/gpu_check.sh retinaface  # gpudet bench per config, then the default detect over 106,288 images
 #   OUT=DIR bash scripts/gpu_check.sh retinanet   # scripts/bench_retinanet.py at the realistic load
-#   OUT=DIR bash scripts/gpu_check.sh ray         # --ray --workers 1 against one process, 15,184 images
+#   OUT=DIR bash scripts/gpu_check.sh ray         # --ray --workers 1 against one process, JSONL and Parquet
 #
 # BEFORE=DIR (a checkout's root) also benches that tree's configs beside this one, for before/after.
 set -uo pipefail
@@ -65,11 +65,13 @@ case "${1:-}" in
   ray)
     versions | tee "$OUT/versions.txt"
     image_set
+    # one process and one Ray actor, each format, side by side (RAY_LIST: jpg_x28, 106,288 images, or jpg_x4)
     for _ in 1 2 3 4; do cat "$IMAGES/jpg.txt"; done > "$IMAGES/jpg_x4.txt"
-    for how in "one" "ray --ray --workers 1"; do
+    for how in ${RAY_RUNS:-"one" "ray --ray --workers 1" "one_parquet --format parquet" \
+                             "ray_parquet --ray --workers 1 --format parquet"}; do
       set -- $how
-      $PY -m pipeline detect "$IMAGES/jpg_x4.txt" --out "/tmp/gpudet-$1" --overwrite ${2:+"${@:2}"} 2>&1 | quiet \
-        | tee -a "$OUT/ray.txt"
+      $PY -m pipeline detect "$IMAGES/${RAY_LIST:-jpg_x28}.txt" --out "/tmp/gpudet-$1" --overwrite ${2:+"${@:2}"} \
+        2>&1 | quiet | tee -a "$OUT/ray.txt"
       cp "/tmp/gpudet-$1/summary.json" "$OUT/ray_$1_summary.json"
     done
     ;;

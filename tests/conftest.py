@@ -36,3 +36,15 @@ def cpu_and_cuda():
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def read_results(folder: Path) -> list[dict]:
+    """The processed images' records of an output folder in either format, by image index
+    (a Parquet folder read with pyarrow, as users read it)."""
+    if (folder / "detections.parquet").is_dir():
+        import pyarrow.parquet as pq
+
+        records = pq.read_table(folder / "detections.parquet").to_pylist()
+    else:
+        records = read_jsonl(folder / "detections.jsonl")
+    return sorted(records, key=lambda r: r["index"])

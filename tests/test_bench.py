@@ -46,8 +46,9 @@ def test_bench_reports_rates_ratios_and_the_machine(tmp_path, capsys):
 def test_bench_passes_report_the_median_pass_and_list_them_all(tmp_path, capsys):
     report_path = tmp_path / "bench.json"
     assert main(["bench", str(SAMPLES), "--device", "cpu", "--batch-size", "4", "--limit", "6", "--iterations", "1",
-                 "--skip-naive", "--passes", "3", "--json", str(report_path)]) == 0
+                 "--skip-naive", "--passes", "3", "--format", "parquet", "--json", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
+    assert report["output_format"] == "parquet" and report["detections_per_image"] == 0.5  # 3 faces, 6 images
     passes = report["gpudet_passes_images_per_s"]
     assert len(passes) == 3 and all(rate > 0 for rate in passes)
     assert report["images_per_s"]["gpudet"] == sorted(passes)[1]

@@ -8,39 +8,49 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.cli import main
+import pytest
 
-from conftest import ROOT, SAMPLES, read_jsonl
+from pipeline.cli import main
+from pipeline.sinks import records_in
+
+from conftest import ROOT, SAMPLES, read_jsonl, read_results
 
 
 def records(path):
     return sorted(read_jsonl(path), key=lambda r: r["index"])
 
 
-def test_ray_actors_give_the_single_process_results_and_resume(tmp_path):
+@pytest.mark.parametrize("output_format", ["jsonl", "parquet"])
+def test_ray_actors_give_the_single_process_results_and_resume(tmp_path, output_format):
     (tmp_path / "broken.jpg").write_bytes(b"\xff\xd8\xff" + b"\x00" * 64)
     listing = tmp_path / "list.txt"
     listing.write_text("".join(f"{p}\n" for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md") +
                        f"{tmp_path / 'broken.jpg'}\n")
-    common = ["--device", "cpu", "--batch-size", "2", "--quiet"]
+    common = ["--device", "cpu", "--batch-size", "2", "--quiet", "--format", output_format]
     assert main(["detect", str(listing), "--out", str(tmp_path / "one"), *common]) == 3
     assert main(["detect", str(listing), "--out", str(tmp_path / "ray"), "--ray", "--workers", "2", *common]) == 3
-    assert records(tmp_path / "one" / "detections.jsonl") == records(tmp_path / "ray" / "detections.jsonl")
+    assert read_results(tmp_path / "one") == read_results(tmp_path / "ray") and len(read_results(tmp_path / "one")) == 6
     assert records(tmp_path / "one" / "errors.jsonl") == records(tmp_path / "ray" / "errors.jsonl")
     summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
     assert summary["processed"] == 6 and summary["failed"] == 1 and summary["actors"] == 2
+    assert summary["format"] == output_format
 
     # Resume after a run that recorded only part: the rest is done, each image exactly once.
-    detections = (tmp_path / "ray" / "detections.jsonl").read_text().splitlines()
-    (tmp_path / "ray" / "detections.jsonl").write_text("\n".join(detections[:2]) + "\n")
+    if output_format == "jsonl":
+        detections = (tmp_path / "ray" / "detections.jsonl").read_text().splitlines()
+        (tmp_path / "ray" / "detections.jsonl").write_text("\n".join(detections[:2]) + "\n")
+    else:
+        files = sorted((tmp_path / "ray" / "detections.parquet").glob("*.parquet"))
+        assert len(files) >= 2  # the actors' files, moved in by the merge
+        files[-1].unlink()
     assert main(["detect", str(listing), "--out", str(tmp_path / "ray"), "--ray", "--workers", "2", "--resume",
                  *common]) == 3  # broken.jpg's failure is still in errors.jsonl
-    assert records(tmp_path / "one" / "detections.jsonl") == records(tmp_path / "ray" / "detections.jsonl")
+    assert read_results(tmp_path / "one") == read_results(tmp_path / "ray")
     # Nothing left: no actor, no Ray, the same files and a summary saying so.
     assert main(["detect", str(listing), "--out", str(tmp_path / "ray"), "--ray", "--workers", "2", "--resume",
                  *common]) == 3
     assert json.loads((tmp_path / "ray" / "summary.json").read_text())["already_done"] == 7
-    assert records(tmp_path / "one" / "detections.jsonl") == records(tmp_path / "ray" / "detections.jsonl")
+    assert read_results(tmp_path / "one") == read_results(tmp_path / "ray")
 
 
 def ray_run(*args, timeout=600) -> subprocess.CompletedProcess:
@@ -68,21 +78,21 @@ def test_a_bad_model_fails_before_ray_starts(tmp_path):
     assert "bad.onnx" in run.stderr
 
 
-def test_an_actor_killed_mid_run_loses_no_image_and_repeats_none(tmp_path):
+@pytest.mark.parametrize("output_format", ["jsonl", "parquet"])
+def test_an_actor_killed_mid_run_loses_no_image_and_repeats_none(tmp_path, output_format):
     """SIGKILL to an actor after it recorded some images: Ray restarts it and runs its batches
     again (or, should Ray give up, --resume finishes): every image once in the merged files."""
     listing = tmp_path / "list.txt"
     photos = [p for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md"]
     listing.write_text("".join(f"{p}\n" for p in photos * 20))
     out = tmp_path / "o"
-    process = subprocess.Popen([sys.executable, "-m", "pipeline", "detect", str(listing), "--out", str(out), "--ray",
-                                "--workers", "2", "--device", "cpu", "--batch-size", "2", "--quiet"], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    options = ["--ray", "--workers", "2", "--device", "cpu", "--batch-size", "2", "--quiet", "--format", output_format]
+    process = subprocess.Popen([sys.executable, "-m", "pipeline", "detect", str(listing), "--out", str(out), *options],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     killed = None
     deadline = time.monotonic() + 300
     while killed is None and time.monotonic() < deadline and process.poll() is None:
-        recorded = sum(len(read_jsonl(p)) for p in (out / "shards").glob("ray-*/detections.jsonl")) \
-            if (out / "shards").is_dir() else 0
+        recorded = sum(records_in(p) for p in (out / "shards").glob("ray-*/detections.*"))
         actors = [p for p in Path("/proc").glob("[0-9]*") if b"MapWorker" in read_bytes(p / "cmdline")]
         if recorded >= 10 and actors:
             killed = int(actors[0].name)
@@ -91,11 +101,9 @@ def test_an_actor_killed_mid_run_loses_no_image_and_repeats_none(tmp_path):
     process.communicate(timeout=600)
     assert killed, "no actor to kill: the run ended too soon"
     if process.returncode != 0:  # Ray gave up on the batches: what the shards hold stays, --resume does the rest
-        resumed = ray_run(listing, "--out", out, "--ray", "--workers", "2", "--device", "cpu", "--batch-size", "2",
-                          "--quiet", "--resume")
+        resumed = ray_run(listing, "--out", out, *options, "--resume")
         assert resumed.returncode == 0, resumed.stderr[-3000:]
-    indices = sorted(r["index"] for r in read_jsonl(out / "detections.jsonl"))
-    assert indices == list(range(len(photos) * 20))
+    assert [r["index"] for r in read_results(out)] == list(range(len(photos) * 20))
 
 
 def read_bytes(path: Path) -> bytes:

@@ -14,7 +14,7 @@ from pipeline.cli import main
 from pipeline.device import DeviceError
 from pipeline.parallel import parse_devices
 
-from conftest import SAMPLES, cuda_usable, read_jsonl
+from conftest import SAMPLES, cuda_usable, read_jsonl, read_results
 
 
 def by_index(path):
@@ -33,10 +33,12 @@ def test_parse_devices():
                 parse_devices(text)
 
 
-def test_two_workers_give_the_single_process_results(tmp_path):
-    assert main(["detect", str(SAMPLES), "--out", str(tmp_path / "one"), "--device", "cpu", "--quiet"]) == 0
-    assert main(["detect", str(SAMPLES), "--out", str(tmp_path / "two"), "--devices", "cpu,cpu", "--quiet"]) == 0
-    assert by_index(tmp_path / "one" / "detections.jsonl") == by_index(tmp_path / "two" / "detections.jsonl")
+@pytest.mark.parametrize("output_format", ["jsonl", "parquet"])
+def test_two_workers_give_the_single_process_results(tmp_path, output_format):
+    common = ["--quiet", "--format", output_format]
+    assert main(["detect", str(SAMPLES), "--out", str(tmp_path / "one"), "--device", "cpu", *common]) == 0
+    assert main(["detect", str(SAMPLES), "--out", str(tmp_path / "two"), "--devices", "cpu,cpu", *common]) == 0
+    assert read_results(tmp_path / "one") == read_results(tmp_path / "two") and len(read_results(tmp_path / "two")) == 6
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert [w["processed"] for w in summary["workers"]] == [3, 3] and summary["failed_workers"] == []
     assert summary["model"]["contract"] == "end_to_end" and summary["config"]["run"]["device"] == "auto"

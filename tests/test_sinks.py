@@ -1,0 +1,198 @@
+"""The output formats: detections.parquet holds what detections.jsonl holds, resumes, merges and
+is read by the tools users read Parquet with."""
+
+import json
+import os
+import resource
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from pipeline.cli import main
+from pipeline.results import Detections, ImageRef
+from pipeline.sinks import OutputFolder, ParquetWriter, Row, detection_table, text_path, write_parquet
+
+from conftest import SAMPLES, cpu_and_cuda, read_jsonl, read_results
+from test_faults import gpudet, one_clear_line
+
+PHOTOS = [p for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md"]
+
+
+def detect(*args, device: str = "cpu") -> int:
+    return main(["detect", *map(str, args), "--device", device, "--batch-size", "2", "--quiet"])
+
+
+@cpu_and_cuda()
+def test_parquet_holds_the_jsonl_records_and_resumes_over_them(tmp_path, device):
+    folder = os.fsencode(tmp_path / "in")
+    os.mkdir(folder)
+    for photo in PHOTOS:
+        shutil.copy(photo, folder + b"/" + os.fsencode(photo.name))
+    shutil.copy(SAMPLES / "grace_hopper.jpg", folder + b"/caf\xe9.jpg")  # a name that is not UTF-8
+    (tmp_path / "in" / "broken.jpg").write_bytes(b"\xff\xd8\xff" + b"\x00" * 64)
+    for output_format in ("jsonl", "parquet"):
+        assert detect(os.fsdecode(folder), "--out", tmp_path / output_format, "--format", output_format,
+                      device=device) == 3
+
+    jsonl, parquet = read_results(tmp_path / "jsonl"), read_results(tmp_path / "parquet")
+    assert [{**r, "path": text_path(r["path"])} for r in jsonl] == parquet and len(parquet) == 7
+    assert sum(len(r["detections"]) for r in parquet) == 4 and "landmarks" in parquet[0]["detections"][0]
+    assert read_jsonl(tmp_path / "jsonl" / "errors.jsonl") == read_jsonl(tmp_path / "parquet" / "errors.jsonl")
+    summary = json.loads((tmp_path / "parquet" / "summary.json").read_text())
+    assert summary["format"] == "parquet" and summary["processed"] == 7 and summary["detections"] == 4
+
+
+    # A resume over the same folder finds every image recorded (the name that is not UTF-8 too).
+    assert detect(os.fsdecode(folder), "--out", tmp_path / "parquet", "--format", "parquet", "--resume",
+                  device=device) == 3
+    assert json.loads((tmp_path / "parquet" / "summary.json").read_text())["already_done"] == 8
+    assert read_results(tmp_path / "parquet") == parquet
+
+
+def test_pandas_and_duckdb_read_the_parquet_folder(tmp_path):
+    import duckdb
+    import pandas as pd
+
+    assert detect(SAMPLES, "--out", tmp_path / "o", "--format", "parquet") == 0
+    records = read_results(tmp_path / "o")
+    where = tmp_path / "o" / "detections.parquet"
+    frame = pd.read_parquet(where)
+    assert list(frame["index"]) == [r["index"] for r in records] and list(frame["path"]) == [str(p) for p in PHOTOS]
+    faces = duckdb.sql(f"select path, unnest(detections).score as score from read_parquet('{where}/*.parquet') "
+                       "order by score desc").fetchall()
+    assert sorted(faces, key=lambda f: -f[1]) == faces
+    assert sorted(faces) == sorted((r["path"], d["score"]) for r in records for d in r["detections"])
+    assert len(faces) == 3
+
+
+def test_a_resume_adds_files_and_each_image_is_recorded_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(ParquetWriter, "FLUSH_ROWS", 2)  # a file per batch of 2
+    first, whole = tmp_path / "first.txt", tmp_path / "whole.txt"
+    first.write_text("".join(f"{p}\n" for p in PHOTOS[:3]))
+    whole.write_text("".join(f"{p}\n" for p in PHOTOS))
+    out = tmp_path / "o"
+    assert detect(first, "--out", out, "--format", "parquet") == 0
+    assert len(list((out / "detections.parquet").glob("*.parquet"))) == 2
+    (out / "detections.parquet" / "part-1-killed.parquet.tmp").write_bytes(b"PAR1 torn")  # a kill mid-write
+    assert detect(whole, "--out", out, "--format", "parquet", "--resume") == 0
+    assert [r["index"] for r in read_results(out)] == list(range(len(PHOTOS)))
+    assert not list((out / "detections.parquet").glob("*.tmp"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["already_done"], summary["processed"]) == (3, 3)
+
+    assert detect(tmp_path / "first.txt", "--out", tmp_path / "single", "--format", "parquet") == 0
+    assert read_results(tmp_path / "single") == read_results(out)[:3]
+
+
+def test_a_folder_of_one_format_is_continued_only_in_that_format(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert detect(SAMPLES, "--out", out) == 0
+    capsys.readouterr()
+    assert detect(SAMPLES, "--out", out, "--format", "parquet", "--resume") == 2
+    err = capsys.readouterr().err
+    assert "detections.jsonl holds results in jsonl" in err and "--format jsonl" in err and len(err.splitlines()) == 1
+    assert detect(SAMPLES, "--out", out, "--format", "parquet", "--overwrite") == 0
+    assert not (out / "detections.jsonl").exists() and len(read_results(out)) == 6
+    assert detect(SAMPLES, "--out", out, "--resume") == 2
+    assert "--format parquet" in capsys.readouterr().err
+
+
+def batch_table(indices: list[int], found_per_image: int = 2):
+    """Rows of detection_table for images `indices`, each with `found_per_image` detections."""
+    m = len(indices) * found_per_image
+    found = Detections(batch_index=np.repeat(np.arange(len(indices)), found_per_image),
+                       boxes_xyxy=np.arange(4 * m, dtype=np.float32).reshape(m, 4),
+                       scores=np.linspace(1, 0.5, m, dtype=np.float32), labels=np.zeros(m, np.int64), landmarks=None)
+    refs = [ImageRef(i, f"img{i}.jpg") for i in indices]
+    return detection_table(refs, np.full((len(indices) + 3, 2), 100), found, ["face"])
+
+
+def test_the_merge_keeps_each_image_once_across_shard_files(tmp_path):
+    """A Ray batch run again after an actor failed: two shards hold the same images. The merge
+    moves the shards' files in, rewrites those with an image seen before, and keeps an image
+    recorded as processed out of errors.jsonl."""
+    out = tmp_path / "o"
+    for shard, parts in {"ray-a": [[0, 1, 2], [3, 4]], "ray-b": [[3, 4], [4, 5, 6]]}.items():
+        folder = out / "shards" / shard / "detections.parquet"
+        folder.mkdir(parents=True)
+        for k, indices in enumerate(parts):
+            write_parquet(batch_table(indices), folder / f"part-{k}-{shard}.parquet")
+    (out / "shards" / "ray-b" / "errors.jsonl").write_text(
+        '{"index":5,"path":"img5.jpg","reason":"decode_failed","message":"x"}\n'
+        '{"index":7,"path":"img7.jpg","reason":"missing","message":"x"}\n')
+    rows: list[Row] = []
+    with OutputFolder(out, output_format="parquet", resume=True) as folder:
+        folder.merge(rows.append)
+    assert sorted(r.index for r in rows if r.processed) == list(range(7))
+    assert all(r.detections == 2 for r in rows if r.processed)
+    assert [(r.index, r.reason) for r in rows if not r.processed] == [(7, "missing")]
+    assert [r["index"] for r in read_results(out)] == list(range(7))
+    assert [e["index"] for e in read_jsonl(out / "errors.jsonl")] == [7]
+    assert not list((out / "shards").glob("*/detections.parquet/*.parquet"))  # moved in, or dropped as repeats
+    assert read_results(out)[0]["detections"][1] == {"box": [4.0, 5.0, 6.0, 7.0], "score": 0.9, "label": 0,
+                                                     "name": "face"}
+
+
+def test_eval_export_and_draw_read_a_parquet_output(tmp_path):
+    from pipeline.coco import read_detections
+
+    assert detect(SAMPLES, "--out", tmp_path / "p", "--format", "parquet") == 0
+    assert detect(SAMPLES, "--out", tmp_path / "j") == 0
+    by_index = lambda records: sorted(records, key=lambda r: r["index"])  # noqa: E731
+    assert by_index(read_detections(tmp_path / "p")) == by_index(read_detections(tmp_path / "j" / "detections.jsonl"))
+    assert read_detections(tmp_path / "p" / "detections.parquet") == read_detections(tmp_path / "p")
+    assert main(["draw", str(tmp_path / "p"), "--out", str(tmp_path / "drawn"), "--quiet"]) == 0
+    assert len(list((tmp_path / "drawn").iterdir())) == 6
+
+
+def test_a_file_size_limit_on_a_parquet_file_is_exit_4_and_resume_finishes(tmp_path):
+    """The file is written whole or not at all: the temporary one goes, nothing torn is left."""
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"{p}\n" for p in PHOTOS) * 20)
+    out = tmp_path / "o"
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
+
+    run = gpudet("detect", listing, "--out", out, "--device", "cpu", "--batch-size", "8", "--format", "parquet",
+                 preexec_fn=limit)
+    one_clear_line(run, 4, "file size limit", "--resume")
+    assert not [p for p in (out / "detections.parquet").iterdir()]
+    resumed = gpudet("detect", listing, "--out", out, "--device", "cpu", "--batch-size", "8", "--format", "parquet",
+                     "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [r["index"] for r in read_results(out)] == list(range(120))
+
+
+def test_without_pyarrow_parquet_is_one_line_saying_what_to_install(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    assert detect(SAMPLES, "--out", tmp_path / "o", "--format", "parquet") == 2
+    err = capsys.readouterr().err
+    assert "pip install 'gpudet[parquet]'" in err and len(err.splitlines()) == 1
+    assert detect(SAMPLES, "--out", tmp_path / "o") == 0  # JSONL needs no pyarrow
+
+
+@pytest.mark.parametrize("output_format", ["jsonl", "parquet"])
+def test_an_interrupted_run_keeps_what_it_recorded_in_either_format(tmp_path, output_format, monkeypatch):
+    """Ctrl-C after two batches: the records so far are written (Parquet: the rows held go to a
+    file), the exit is 130, and --resume records every image once."""
+    from pipeline.detector import Detector
+
+    stream = Detector.stream
+
+    def interrupted(self, refs, on_error, **kwargs):
+        for n, item in enumerate(stream(self, refs, on_error, **kwargs)):
+            if n == 2:
+                raise KeyboardInterrupt
+            yield item
+
+    monkeypatch.setattr(Detector, "stream", interrupted)
+    out = tmp_path / "o"
+    assert detect(SAMPLES, "--out", out, "--format", output_format) == 130
+    assert [r["index"] for r in read_results(out)] == [0, 1, 2, 3]
+    monkeypatch.setattr(Detector, "stream", stream)
+    assert detect(SAMPLES, "--out", out, "--format", output_format, "--resume") == 0
+    assert [r["index"] for r in read_results(out)] == list(range(6))
