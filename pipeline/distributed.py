@@ -237,6 +237,10 @@ def stream(ray, todo: list[ImageRef], config: Config, output_format: str, shards
                                                                        "output_format": output_format},
                                    batch_size=ray_batch(config.run.batch_size, len(todo), workers),
                                    compute=ray.data.ActorPoolStrategy(size=workers),
+                                   # Two calls at once per actor: the next Ray batch is queued on the
+                                   # stream before the last one's images are all recorded, so the
+                                   # pipeline never drains between them (Ray Data's default is one).
+                                   max_concurrency=2,
                                    num_gpus=gpus, num_cpus=1, batch_format="numpy")
     first, last = math.inf, None
     with tqdm(total=len(todo), unit="img", disable=progress is None, file=progress, dynamic_ncols=True) as bar:

@@ -65,10 +65,11 @@ case "${1:-}" in
   ray)
     versions | tee "$OUT/versions.txt"
     image_set
-    # one process and one Ray actor, each format, side by side (RAY_LIST: jpg_x28, 106,288 images, or jpg_x4)
+    # one process and one Ray actor, each format, side by side (RAY_LIST: jpg_x28, 106,288 images, or jpg_x4;
+    # RAY_RUNS: "NAME OPTIONS;NAME OPTIONS...")
     for _ in 1 2 3 4; do cat "$IMAGES/jpg.txt"; done > "$IMAGES/jpg_x4.txt"
-    for how in ${RAY_RUNS:-"one" "ray --ray --workers 1" "one_parquet --format parquet" \
-                             "ray_parquet --ray --workers 1 --format parquet"}; do
+    IFS=';' read -ra runs <<< "${RAY_RUNS:-one;ray --ray --workers 1;one_parquet --format parquet;ray_parquet --ray --workers 1 --format parquet}"
+    for how in "${runs[@]}"; do
       set -- $how
       $PY -m pipeline detect "$IMAGES/${RAY_LIST:-jpg_x28}.txt" --out "/tmp/gpudet-$1" --overwrite ${2:+"${@:2}"} \
         2>&1 | quiet | tee -a "$OUT/ray.txt"
