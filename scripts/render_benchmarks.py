@@ -108,7 +108,17 @@ RAY_RUNS = (  # (label, report, where the Ray rate starts), each machine session
     ("`--ray --workers 1`, Ray batches of 2,048", "ray_workers_1_batch2048_2", "first image"),
     ("`--ray --workers 1`, Ray batches of 4,096", "ray_workers_1_batch4096", "first image"),
     ("one process", "ray_one_process_5", ""), ("`--ray --workers 1`, Ray batches of 4,096 (the default)",
-                                               "ray_workers_1_4", "first image"))
+                                               "ray_workers_1_4", "first image"),
+    ("one process", "ray_106288_one_process", ""),
+    ("`--ray --workers 1`, one call at a time per actor", "ray_106288_workers_1", "first image"),
+    ("one process, `--format parquet`", "ray_106288_one_process_parquet", ""),
+    ("`--ray --workers 1 --format parquet`, one call at a time per actor", "ray_106288_workers_1_parquet",
+     "first image"),
+    ("one process", "ray_106288_one_process_2", ""),
+    ("`--ray --workers 1`, two calls at once per actor (the default)", "ray_106288_workers_1_2", "first image"),
+    ("one process, `--format parquet`", "ray_106288_one_process_parquet_2", ""),
+    ("`--ray --workers 1 --format parquet`, two calls at once per actor", "ray_106288_workers_1_parquet_2",
+     "first image"))
 
 
 def ray_table() -> str:
@@ -119,12 +129,41 @@ def ray_table() -> str:
         wall = s["seconds"].get("wall", s["seconds"]["total"])
         lines.append(f"| {label} | {s['tree']['commit']} | {num(s['processed'])} | **{num(s['images_per_s'])}** img/s | "
                      f"{start or 'after setup'} | {wall:.1f} s |")
-    lines += ["", "The 3,796 JPEGs listed 4 times, the default config, a local Ray cluster on the same machine "
+    lines += ["", "The 3,796 JPEGs listed 4 times (15,184) or 28 times (106,288), the default config, a local Ray "
+              "cluster on the same machine "
               "(one GPU actor); rows grouped by tree, one process first. One process: images/s after "
               "its setup, wall clock from the command. Ray: images/s from the first row back (\"first row\", which "
               "comes a whole Ray batch after the actor started) or from the first image an actor took (\"first "
               "image\"), to the last row; wall clock from the start of the run (Ray's start included, the "
               "imports not)."]
+    return "\n".join(lines)
+
+
+def formats_table() -> str:
+    rn = load("retinanet_formats")["results"]
+    lines = ["| model, load | tree | JSONL: img/s (writing) | Parquet: img/s (writing) | Parquet / JSONL |",
+             "| --- | --- | --- | --- | --- |"]
+
+    def line(label: str, tree: str, jsonl: tuple[float, float], parquet: tuple[float, float]) -> str:
+        return (f"| {label} | {tree} | {num(jsonl[0])} ({jsonl[1]:.2f} s) | {num(parquet[0])} ({parquet[1]:.2f} s) | "
+                f"{parquet[0] / jsonl[0]:.2f}x |")
+
+    for label, name in (("RetinaNet, the zero-load bound", "gpudet, zero-load bound (no detection survives)"),
+                        ("RetinaNet, the seeded load", "gpudet"),
+                        ("RetinaNet, the heavy-NMS bound", "gpudet, heavy-NMS bound (score 0: 300 per image)")):
+        j, q = rn[name], rn[f"{name}, --format parquet"]
+        lines.append(line(f"{label}: {j['detections_per_image']:g} per image", load("retinanet_formats")["tree"]["commit"],
+                          (j["images_per_s"], j["stages_s"]["write"]), (q["images_per_s"], q["stages_s"]["write"])))
+    for suffix in ("", "_2"):
+        j, q = load(f"ray_106288_one_process{suffix}"), load(f"ray_106288_one_process_parquet{suffix}")
+        lines.append(line(f"RetinaFace, the default: {j['detections'] / j['processed']:.2f} per image, "
+                          f"{num(j['processed'])} images", j["tree"]["commit"], (j["images_per_s"], j["seconds"]["write"]),
+                          (q["images_per_s"], q["seconds"]["write"])))
+    r = load("retinanet_formats")
+    lines += ["", f"RetinaNet: `{shorten(r['command'])}` (2,000 images, batch 16, 800x800, fp16 heads; one detector "
+              "per load, one pass in each format, side by side). RetinaFace: `gpudet detect` over the 106,288 images "
+              "(scripts/gpu_check.sh ray), images/s after setup. Writing: the seconds the loop spent in "
+              "`OutputFolder.record` (building and writing the records)."]
     return "\n".join(lines)
 
 
@@ -149,7 +188,8 @@ def shorten(command: str) -> str:
     return re.sub(r"--json \S+|/\S*/(?=\S+\.(txt|py))", "", command).replace("  ", " ").strip()
 
 
-SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "retinanet": retinanet_table, "ray": ray_table}
+SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "retinanet": retinanet_table, "ray": ray_table,
+            "formats": formats_table}
 
 
 def render(text: str, sections: dict) -> str:
