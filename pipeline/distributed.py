@@ -108,7 +108,11 @@ class DetectActor:
             left[id(done)] -= 1
             if not left[id(done)]:
                 del left[id(done)]
-                self.shard.flush()
+                try:
+                    self.shard.flush()
+                except BaseException as e:  # out of `waiting` already: the stream's failure would not reach it
+                    done.set_exception(e)
+                    raise
                 done.set_result(rows)
 
         def failed(errors: list[ImageError]) -> None:

@@ -160,7 +160,8 @@ def pyarrow_parquet():
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ConfigError("--format parquet needs pyarrow: pip install 'gpudet[parquet]' (or pyarrow)") from None
+        raise ConfigError("Parquet (--format parquet, a detections.parquet folder) needs pyarrow: pip install "
+                          "'gpudet[parquet]' (or pyarrow)") from None
     return pq
 
 
@@ -219,18 +220,22 @@ def make_parquet_folder(path: Path) -> None:
         path.mkdir(exist_ok=True)
     except OSError as e:
         raise OutputWriteError(path, e) from None
-    for tmp in path.glob("*.tmp"):
+    for tmp in path.glob(".*.tmp"):
         tmp.unlink()
 
 
 def write_parquet(table, path: Path) -> None:
-    """`table` written to `path` whole or not at all (a temporary file renamed over it)."""
+    """`table` written to `path` whole or not at all: a temporary file, on the disk (fsync) before
+    it is renamed over `path`. Its name starts with a dot, which readers of the folder (pyarrow,
+    pandas, Spark; DuckDB's *.parquet) pass over, should a kill leave it."""
     pq = pyarrow_parquet()
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.tmp")
     fd = open_for_writing(tmp, os.O_EXCL)
     try:
         with os.fdopen(fd, "wb") as f:  # buffered: its last write may come as it closes
             pq.write_table(table, f)
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as e:  # disk full, a file size limit: the temporary file goes, nothing else changes
         tmp.unlink(missing_ok=True)
         raise OutputWriteError(path, e) from None
@@ -240,6 +245,17 @@ def write_parquet(table, path: Path) -> None:
 def parquet_files(folder: Path) -> list[Path]:
     """A detections.parquet folder's files, in writing order (none if it does not exist)."""
     return sorted(p for p in folder.glob("*.parquet") if p.is_file()) if folder.is_dir() else []
+
+
+def read_parquet_file(path: Path, columns: list[str] | None = None):
+    """One of a detections.parquet folder's files as a pyarrow Table (only `columns`, if given);
+    OutputError naming it if it is not Parquet gpudet wrote (empty, cut short, other columns)."""
+    pq = pyarrow_parquet()
+    try:
+        return pq.read_table(path, columns=columns)
+    except (OSError, ValueError, KeyError) as e:  # pyarrow's ArrowIOError, ArrowInvalid
+        raise OutputError(f"{path}: not a Parquet file gpudet wrote ({' '.join(str(e).split())[:200]}); remove it "
+                          "(its images are then detected again by --resume), or use --overwrite") from None
 
 
 def text_path(path: str) -> str:
@@ -298,7 +314,7 @@ def records_in(path: Path) -> int:
         for part in parquet_files(path):
             try:
                 rows += pq.read_metadata(part).num_rows
-            except FileNotFoundError:  # moved by a merge since it was listed
+            except (OSError, ValueError):  # moved by a merge since it was listed, or not Parquet (resume says so)
                 pass
         return rows
     try:
@@ -319,9 +335,8 @@ def indexed_paths(path: Path) -> Iterator[tuple[int, str]]:
     """(index, path) of every record a result file of an earlier run holds (a JSONL file's torn
     last line cut off; a Parquet folder's two columns read, not its detections)."""
     if path.suffix == ".parquet":
-        pq = pyarrow_parquet()
         for part in parquet_files(path):
-            table = pq.read_table(part, columns=["index", "path"])
+            table = read_parquet_file(part, columns=["index", "path"])
             yield from zip(table["index"].to_pylist(), table["path"].to_pylist())
     else:
         for record in read_complete_records(path):
@@ -468,14 +483,20 @@ class OutputFolder:
         either format); retry_failed empties every errors.jsonl, so that those images are
         processed again. The images recorded as failed before count in `tally.failed_before`
         (and in the exit code)."""
+        parquet = self.path / DETECTIONS["parquet"]
         if self.overwrite:
             shutil.rmtree(self.path / SHARDS, ignore_errors=True)
-            shutil.rmtree(self.path / DETECTIONS["parquet"], ignore_errors=True)
+            if parquet.is_dir():
+                shutil.rmtree(parquet)
+            elif parquet.exists():
+                parquet.unlink()
             if self.format != "jsonl":
                 (self.path / DETECTIONS["jsonl"]).unlink(missing_ok=True)
             for path in self.files:
                 if path.is_file():
                     os.close(open_for_writing(path, os.O_TRUNC))
+        if parquet.exists() and not parquet.is_dir():
+            raise OutputError(f"{parquet} is not a folder gpudet wrote; remove it, or use --overwrite")
         (self.path / "summary.json").unlink(missing_ok=True)
         folders = [self.path, *self.shards]
         other = next((name for name in FORMATS if name != self.format), None)
@@ -575,16 +596,16 @@ class OutputFolder:
     def _merge_parquet(self, seen: set[int], count: Callable[[Row], None]) -> None:
         import pyarrow.compute as pc
 
-        pq = pyarrow_parquet()
         target = self.path / DETECTIONS["parquet"]
         make_parquet_folder(target)
         for folder in [target] + [shard / DETECTIONS["parquet"] for shard in self.shards]:
             for part in parquet_files(folder):
-                table = pq.read_table(part)
+                table = read_parquet_file(part)
                 found = pc.list_value_length(table["detections"]).to_pylist()
-                keep = [index not in seen for index in table["index"].to_pylist()]
-                for index, detections, kept in zip(table["index"].to_pylist(), found, keep):
-                    if kept:
+                keep = []
+                for index, detections in zip(table["index"].to_pylist(), found):
+                    keep.append(index not in seen)
+                    if keep[-1]:
                         seen.add(index)
                         count(Row(index, True, detections))
                 if all(keep):

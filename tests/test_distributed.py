@@ -168,6 +168,38 @@ def test_an_actor_whose_stream_stops_fails_every_request_instead_of_hanging(tmp_
     asyncio.run(go())
 
 
+def test_an_actor_whose_parquet_file_cannot_be_written_fails_the_request_instead_of_hanging(tmp_path, monkeypatch):
+    """The rows are written out before a request is answered: a write that fails there fails the
+    request it was for, and the rest as above."""
+    import asyncio
+    import errno
+
+    import numpy as np
+
+    from pipeline import sinks
+    from pipeline.config import load_config
+    from pipeline.distributed import DetectActor
+    from pipeline.errors import OutputWriteError
+
+    def disk_full(table, path):
+        raise OutputWriteError(path, OSError(errno.ENOSPC, "No space left on device"))
+
+    monkeypatch.setattr(sinks, "write_parquet", disk_full)
+    actor = DetectActor(load_config(None, ["run.device=cpu", "run.batch_size=2"]), str(tmp_path / "shards"),
+                        output_format="parquet")
+    photos = [str(p) for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md"]
+
+    async def go():
+        first = await asyncio.wait_for(asyncio.gather(actor({"index": np.arange(3), "path": np.array(photos[:3])}),
+                                                      return_exceptions=True), 120)
+        assert isinstance(first[0], OutputWriteError), first
+        later = await asyncio.wait_for(asyncio.gather(actor({"index": np.arange(3, 6), "path": np.array(photos[3:])}),
+                                                      return_exceptions=True), 10)
+        assert isinstance(later[0], Exception) and "disk is full" in str(later[0]), later  # queued or refused
+
+    asyncio.run(go())
+
+
 def test_ray_usage_errors_are_one_line(tmp_path):
     run = ray_run(SAMPLES, "--out", tmp_path / "o", "--ray", "--workers", "0", "--device", "cpu")
     assert run.returncode == 2 and run.stderr.strip() == "gpudet: ERROR: --workers 0: give at least 1 detector actor"
