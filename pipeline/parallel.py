@@ -82,7 +82,9 @@ def _worker(todo: list[ImageRef], shard: str, config: Config, output_format: str
     def run() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # held by the parent
-        with OutputFolder(shard, output_format=output_format, resume=True) as folder:
+        # Parquet rows written every 2 s: the parent's progress bar reads the shard's files, and
+        # restarts a worker that died only if it had recorded images.
+        with OutputFolder(shard, output_format=output_format, resume=True, flush_s=2.0) as folder:
             return detect_into(folder, todo, config, source=source, images=images, progress=False).exit_code
 
     sys.exit(guarded(run))

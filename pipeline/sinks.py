@@ -168,43 +168,60 @@ def pyarrow_parquet():
 class ParquetWriter:
     """detections.parquet/: a folder of Parquet files, one row per image (Spark's layout: pandas,
     DuckDB, Spark and pyarrow read the folder as one table). Use as a context manager,
-    `append(table)` once per batch. Rows are held and written as one file, named in writing
-    order, every FLUSH_ROWS images or FLUSH_S seconds, on `flush()` and at the end; each file is
-    written under a temporary name and renamed, never through a symbolic link. Files of earlier
-    runs stay (resume adds to them)."""
+    `append(refs, orig_hw, found, label_names)` once per batch. Batches are held as they came
+    (the host arrays of `Detections`) and written as one file, its rows built in one step
+    (`detection_table`: the per-batch cost is a list append), named in writing order, every
+    FLUSH_ROWS images, FLUSH_DETECTIONS detections or `flush_s` seconds, on `flush()` and at the
+    end; each file is written under a temporary name and renamed, never through a symbolic link.
+    Files of earlier runs stay (resume adds to them)."""
 
     FLUSH_ROWS = 65_536
+    FLUSH_DETECTIONS = 1_000_000
+    """About 60 MB of held detections: the memory bound when images have hundreds."""
     FLUSH_S = 10.0
     """A kill loses at most this long of work (those images are not recorded: --resume processes
     them); larger files are better for readers, and a file's cost is paid once per flush."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, flush_s: float = FLUSH_S):
         self.path = path
+        self.flush_s = flush_s
         self.count = 0
-        self._tables: list = []
-        self._rows = 0
+        self._held: list[tuple[list[ImageRef], np.ndarray, Detections]] = []
+        self._label_names: list[str] = []
+        self._rows = self._detections = 0
         self._flushed = time.monotonic()
 
     def __enter__(self) -> ParquetWriter:
         make_parquet_folder(self.path)
         return self
 
-    def append(self, table) -> None:
-        self._tables.append(table)
-        self._rows += table.num_rows
-        self.count += table.num_rows
-        if self._rows >= self.FLUSH_ROWS or time.monotonic() - self._flushed >= self.FLUSH_S:
+    def append(self, refs: list[ImageRef], orig_hw: np.ndarray, found: Detections, label_names: list[str]) -> None:
+        """A batch's images (orig_hw: [B, 2], its first len(refs) rows theirs) and their detections
+        (host arrays the writer may keep: `to_host` makes them fresh)."""
+        self._held.append((list(refs), np.array(orig_hw[:len(refs)], np.int64), found))
+        self._label_names = label_names
+        self._rows += len(refs)
+        self._detections += len(found.scores)
+        self.count += len(refs)
+        if self._rows >= self.FLUSH_ROWS or self._detections >= self.FLUSH_DETECTIONS or \
+                time.monotonic() - self._flushed >= self.flush_s:
             self.flush()
 
     def flush(self) -> None:
         """Write the rows held, as one file."""
-        import pyarrow as pa
-
         self._flushed = time.monotonic()
         if not self._rows:
             return
-        table = pa.concat_tables(self._tables)
-        self._tables, self._rows = [], 0
+        held, self._held, self._rows, self._detections = self._held, [], 0, 0
+        refs = [ref for batch_refs, _, _ in held for ref in batch_refs]
+        starts = np.cumsum([0] + [len(batch_refs) for batch_refs, _, _ in held[:-1]])
+        found = [f for _, _, f in held]
+        joined = Detections(
+            batch_index=np.concatenate([f.batch_index + start for f, start in zip(found, starts)]),
+            boxes_xyxy=np.concatenate([f.boxes_xyxy for f in found]), scores=np.concatenate([f.scores for f in found]),
+            labels=np.concatenate([f.labels for f in found]),
+            landmarks=None if found[0].landmarks is None else np.concatenate([f.landmarks for f in found]))
+        table = detection_table(refs, np.concatenate([hw for _, hw, _ in held]), joined, self._label_names)
         write_parquet(table, self.path / f"part-{time.time_ns()}-{uuid.uuid4().hex[:8]}.parquet")
 
     def __exit__(self, *exc) -> None:
@@ -421,10 +438,11 @@ class OutputFolder:
              ERRORS + ".tmp")
 
     def __init__(self, path: str | Path, *, output_format: str = "jsonl", resume: bool = False,
-                 overwrite: bool = False, retry_failed: bool = False):
+                 overwrite: bool = False, retry_failed: bool = False, flush_s: float = ParquetWriter.FLUSH_S):
         """output_format: how processed images are written, "jsonl" or "parquet" (FORMATS; errors
         are JSONL in both); resume: continue, skipping what is recorded; retry_failed (with
-        resume): also process again the images recorded as failed; overwrite: start again."""
+        resume): also process again the images recorded as failed; overwrite: start again;
+        flush_s: Parquet's longest wait before held rows are written."""
         self._lock = -1
         self.path = Path(path)
         if output_format not in FORMATS:
@@ -434,7 +452,7 @@ class OutputFolder:
         if retry_failed and not resume:
             raise OutputError("--retry-failed goes with --resume: it processes again what an earlier run into "
                               f"{self.path} recorded as failed")
-        self.format = output_format
+        self.format, self.flush_s = output_format, flush_s
         self.resume, self.overwrite, self.retry_failed = resume, overwrite, retry_failed
         self.tally = Tally()
         self._writers: tuple[JsonlWriter | ParquetWriter, JsonlWriter] | None = None
@@ -524,7 +542,7 @@ class OutputFolder:
         started anew. Call `begin` first (a --devices worker's shard: its parent removes the
         shard's summary)."""
         detections = JsonlWriter(self.files[0], append=self.resume) if self.format == "jsonl" else \
-            ParquetWriter(self.files[0])
+            ParquetWriter(self.files[0], flush_s=self.flush_s)
         with detections as results, JsonlWriter(self.files[1], append=self.resume) as errors:
             self._writers = (results, errors)
             try:
@@ -540,7 +558,7 @@ class OutputFolder:
             self._writers[0].append(records)
             rows = [Row(r["index"], True, len(r["detections"])) for r in records]
         else:
-            self._writers[0].append(detection_table(batch.refs, batch.orig_hw, found, labels))
+            self._writers[0].append(batch.refs, batch.orig_hw, found, labels)
             per_image = np.bincount(found.batch_index, minlength=len(batch.refs)).tolist()
             rows = [Row(ref.index, True, n) for ref, n in zip(batch.refs, per_image)]
         for row in rows:

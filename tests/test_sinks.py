@@ -99,14 +99,34 @@ def test_a_folder_of_one_format_is_continued_only_in_that_format(tmp_path, capsy
     assert "--format parquet" in capsys.readouterr().err
 
 
-def batch_table(indices: list[int], found_per_image: int = 2):
-    """Rows of detection_table for images `indices`, each with `found_per_image` detections."""
+def batch_of(indices: list[int], found_per_image: int = 2) -> tuple[list[ImageRef], np.ndarray, Detections]:
+    """A batch of images `indices` (its size rows padded by 3), each with `found_per_image` detections."""
     m = len(indices) * found_per_image
     found = Detections(batch_index=np.repeat(np.arange(len(indices)), found_per_image),
                        boxes_xyxy=np.arange(4 * m, dtype=np.float32).reshape(m, 4),
                        scores=np.linspace(1, 0.5, m, dtype=np.float32), labels=np.zeros(m, np.int64), landmarks=None)
-    refs = [ImageRef(i, f"img{i}.jpg") for i in indices]
-    return detection_table(refs, np.full((len(indices) + 3, 2), 100), found, ["face"])
+    return [ImageRef(i, f"img{i}.jpg") for i in indices], np.full((len(indices) + 3, 2), 100), found
+
+
+def batch_table(indices: list[int], found_per_image: int = 2):
+    """Rows of detection_table for images `indices`, each with `found_per_image` detections."""
+    return detection_table(*batch_of(indices, found_per_image), ["face"])
+
+
+def test_the_writer_holds_batches_until_a_bound_and_writes_them_as_one_file(tmp_path, monkeypatch):
+    """Rows built once per file from the batches held: the same rows as one table per batch, the
+    files cut at FLUSH_DETECTIONS (the memory bound) as at FLUSH_ROWS."""
+    monkeypatch.setattr(ParquetWriter, "FLUSH_DETECTIONS", 6)
+    with ParquetWriter(tmp_path / "detections.parquet") as writer:
+        for indices, per_image in (([0, 1], 2), ([2], 0), ([3, 4], 2), ([5], 3)):
+            writer.append(*batch_of(indices, per_image), ["face"])
+    files = sorted((tmp_path / "detections.parquet").glob("*.parquet"))
+    import pyarrow.parquet as pq
+
+    assert [pq.read_metadata(f).num_rows for f in files] == [5, 1]  # 8 detections held: a file; then the end
+    expected = [row for indices, n in (([0, 1], 2), ([2], 0), ([3, 4], 2), ([5], 3))
+                for row in batch_table(indices, n).to_pylist()]
+    assert pq.read_table(tmp_path / "detections.parquet").to_pylist() == expected
 
 
 def test_the_merge_keeps_each_image_once_across_shard_files(tmp_path):
