@@ -495,8 +495,10 @@ class OutputFolder:
         return sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()) if folder.is_dir() else []
 
     def begin(self, refs: list[ImageRef]) -> list[ImageRef]:
-        """Start a run over `refs`: the images it must process. An earlier run's summary.json goes
-        first, so that a summary always describes the run that wrote it, whatever stops this one.
+        """Start a run over `refs`: the images it must process. A run refused here (results without
+        --resume, another format, another source) changes nothing; once it is accepted the earlier
+        run's summary.json goes, before anything is written, so that a summary always describes
+        the run that wrote it, whatever stops this one.
         Records in the shards count as this folder's; --overwrite removes them with the files (of
         either format); retry_failed empties every errors.jsonl, so that those images are
         processed again. The images recorded as failed before count in `tally.failed_before`
@@ -515,7 +517,6 @@ class OutputFolder:
                     os.close(open_for_writing(path, os.O_TRUNC))
         if parquet.exists() and not parquet.is_dir():
             raise OutputError(f"{parquet} is not a folder gpudet wrote; remove it, or use --overwrite")
-        (self.path / "summary.json").unlink(missing_ok=True)
         folders = [self.path, *self.shards]
         other = next((name for name in FORMATS if name != self.format), None)
         written = [f / DETECTIONS[other] for f in folders if holds_results(f / DETECTIONS[other])]
@@ -528,6 +529,7 @@ class OutputFolder:
                               "not yet recorded there, or --overwrite to start again")
         processed, failed = recorded(existing, refs)
         failed -= processed
+        (self.path / "summary.json").unlink(missing_ok=True)  # accepted: the old summary is no longer this folder's
         if self.retry_failed:  # checked to be this source's above; processed again from here
             for path in existing:
                 if path.name == ERRORS:

@@ -93,6 +93,8 @@ def test_a_folder_of_one_format_is_continued_only_in_that_format(tmp_path, capsy
     assert detect(SAMPLES, "--out", out, "--format", "parquet", "--resume") == 2
     err = capsys.readouterr().err
     assert "detections.jsonl holds results in jsonl" in err and "--format jsonl" in err and len(err.splitlines()) == 1
+    assert detect(SAMPLES, "--out", out) == 2  # neither --resume nor --overwrite
+    assert json.loads((out / "summary.json").read_text())["processed"] == 6  # a refused run changes nothing
     assert detect(SAMPLES, "--out", out, "--format", "parquet", "--overwrite") == 0
     assert not (out / "detections.jsonl").exists() and len(read_results(out)) == 6
     assert detect(SAMPLES, "--out", out, "--resume") == 2
