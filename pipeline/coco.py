@@ -98,7 +98,7 @@ def read_detections(path: str | Path) -> list[dict]:
     """The records gpudet detect wrote: a detections.jsonl, a detections.parquet folder (or one of
     its files), or the output folder that holds either. Anything else is an error naming the file
     (and, for JSONL, its first bad line)."""
-    from .sinks import DETECTIONS, parquet_files, pyarrow_parquet
+    from .sinks import DETECTIONS, parquet_files, path_of, pyarrow_parquet
 
     path = Path(path)
     if path.is_dir() and path.suffix != ".parquet":  # an output folder
@@ -112,10 +112,13 @@ def read_detections(path: str | Path) -> list[dict]:
         except (OSError, ValueError) as e:  # pyarrow's errors for what is not Parquet
             raise ConfigError(f"{path}: not Parquet that gpudet detect wrote ({' '.join(str(e).split())[:200]})") \
                 from None
-        if not {"path", "detections"} <= set(table.column_names):
-            raise ConfigError(f"{path}: no 'path' and 'detections' columns; pass the detections.parquet folder "
-                              "gpudet detect wrote")
-        return table.to_pylist()
+        if not {"path", "path_bytes", "detections"} <= set(table.column_names):
+            raise ConfigError(f"{path}: no 'path', 'path_bytes' and 'detections' columns; pass the detections.parquet "
+                              "folder gpudet detect wrote")
+        records = table.to_pylist()
+        for record in records:  # as detections.jsonl holds it
+            record["path"] = path_of(record["path"], record.pop("path_bytes"))
+        return records
     if not path.is_file():
         raise ConfigError(f"{path} does not exist; pass the detections.jsonl (or detections.parquet) that gpudet "
                           "detect wrote, or its output folder")

@@ -281,6 +281,21 @@ def text_path(path: str) -> str:
     return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
+def exact_path(path: str) -> bytes | None:
+    """The `path_bytes` column: None for a path that is UTF-8 text, else the file name's bytes
+    (`os.fsdecode` gives the path back), which `path`'s text alone does not hold."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return os.fsencode(path)
+    return None
+
+
+def path_of(text: str, exact: bytes | None) -> str:
+    """A Parquet row's path as Python names the file (the inverse of text_path and exact_path)."""
+    return text if exact is None else os.fsdecode(exact)
+
+
 def detection_table(refs: list[ImageRef], orig_hw: np.ndarray, detections: Detections, label_names: list[str]):
     """A batch's rows for detections.parquet, built from the arrays without a Python object per
     detection: the fields and values of `detection_records` (boxes rounded to 0.01 px, scores to
@@ -304,6 +319,7 @@ def detection_table(refs: list[ImageRef], orig_hw: np.ndarray, detections: Detec
     hw = np.asarray(orig_hw, np.int64)[:len(refs)]  # [B, 2] (height, width); a batch may hold more rows
     return pa.table({"index": pa.array([r.index for r in refs], pa.int64()),
                      "path": pa.array([text_path(r.path) for r in refs], pa.string()),
+                     "path_bytes": pa.array([exact_path(r.path) for r in refs], pa.binary()),
                      "width": pa.array(hw[:, 1]), "height": pa.array(hw[:, 0]),
                      "detections": pa.ListArray.from_arrays(pa.array(offsets), items)})
 
@@ -353,8 +369,9 @@ def indexed_paths(path: Path) -> Iterator[tuple[int, str]]:
     last line cut off; a Parquet folder's two columns read, not its detections)."""
     if path.suffix == ".parquet":
         for part in parquet_files(path):
-            table = read_parquet_file(part, columns=["index", "path"])
-            yield from zip(table["index"].to_pylist(), table["path"].to_pylist())
+            table = read_parquet_file(part, columns=["index", "path", "path_bytes"])
+            for index, text, exact in zip(*(table[name].to_pylist() for name in ("index", "path", "path_bytes"))):
+                yield index, path_of(text, exact)
     else:
         for record in read_complete_records(path):
             yield record.get("index"), record.get("path")
@@ -689,10 +706,9 @@ def recorded(paths: Iterable[Path], refs: list[ImageRef]) -> tuple[set[int], set
     failed: set[int] = set()
     for path in paths:
         done = failed if path.name == ERRORS else processed
-        as_text = path.suffix == ".parquet"
         for index, image in indexed_paths(path):
             expected = by_index.get(index)
-            if expected is None or image != (text_path(expected) if as_text else expected):
+            if expected is None or image != expected:
                 raise OutputError(
                     f"{path}: record {index} ({image}) is not image {index} of this source; resume with "
                     "the same source (and --root), or use --overwrite")

@@ -36,8 +36,16 @@ def test_parquet_holds_the_jsonl_records_and_resumes_over_them(tmp_path, device)
         assert detect(os.fsdecode(folder), "--out", tmp_path / output_format, "--format", output_format,
                       device=device) == 3
 
+    from pipeline.coco import read_detections
+
     jsonl, parquet = read_results(tmp_path / "jsonl"), read_results(tmp_path / "parquet")
-    assert [{**r, "path": text_path(r["path"])} for r in jsonl] == parquet and len(parquet) == 7
+    assert sorted(read_detections(tmp_path / "parquet"), key=lambda r: r["index"]) == jsonl and len(jsonl) == 7
+    # path: text (\xNN for a byte that is not UTF-8); path_bytes: the name's bytes where path cannot hold them
+    assert [(r["path"], r["path_bytes"]) for r in parquet] == [
+        (text_path(r["path"]), None if r["path"].isascii() else os.fsencode(r["path"])) for r in jsonl]
+    assert sum(r["path_bytes"] is not None for r in parquet) == 1
+    assert main(["draw", str(tmp_path / "parquet"), "--out", str(tmp_path / "drawn"), "--quiet"]) == 0  # each file found
+    assert len(list((tmp_path / "drawn").iterdir())) == 7
     assert sum(len(r["detections"]) for r in parquet) == 4 and "landmarks" in parquet[0]["detections"][0]
     assert read_jsonl(tmp_path / "jsonl" / "errors.jsonl") == read_jsonl(tmp_path / "parquet" / "errors.jsonl")
     summary = json.loads((tmp_path / "parquet" / "summary.json").read_text())
