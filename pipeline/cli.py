@@ -17,6 +17,9 @@ from .errors import EXIT_OK, EXIT_SOME_FAILED, ConfigError, catch_signals, guard
 
 log = logging.getLogger("gpudet")
 
+OUTPUT_FORMATS = ("jsonl", "parquet")
+"""--format's choices: sinks.FORMATS, spelled here so that `--help` does not import numpy and orjson."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
@@ -35,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     detect.add_argument("source", help="file list (.txt), folder, image file or glob")
     detect.add_argument("--out", required=True, help="output folder (detections.jsonl or detections.parquet/, "
                                                      "errors.jsonl, summary.json)")
-    detect.add_argument("--format", dest="output_format", choices=["jsonl", "parquet"], default="jsonl",
+    detect.add_argument("--format", dest="output_format", choices=OUTPUT_FORMATS, default="jsonl",
                         help="how processed images are written: jsonl (default), or parquet (a folder of Parquet "
                              "files, one row per image; needs pyarrow)")
     detect.add_argument("--config", help="YAML config (default: the embedded RetinaFace config)")
@@ -92,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the naive baseline on the first N images (default 300)")
     bench.add_argument("--latency", type=int, default=0, metavar="N",
                        help="also time N images one at a time (batch 1): p50/p99 from file to detections")
-    bench.add_argument("--format", dest="output_format", choices=["jsonl", "parquet"], default="jsonl",
+    bench.add_argument("--format", dest="output_format", choices=OUTPUT_FORMATS, default="jsonl",
                        help="how gpudet's passes write their records (as detect --format; default jsonl)")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     bench.add_argument("--json", help="also write the report here")
@@ -158,21 +161,27 @@ def say(text: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def counted(n: int, noun: str) -> str:
+    """'1 detection', '3 detections'."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def summary_table(s: dict) -> str:
     failed_before = f", {s['already_failed']} of them failed" if s.get("already_failed") else ""
     done = f" (+{s['already_done']} done before{failed_before})" if s["already_done"] else ""
     seconds = s["seconds"]
     took = f"{seconds['wall']:.2f}s from the command" if "wall" in seconds else f"{seconds['total']:.2f}s"
     setup = f"start {seconds['startup']:.2f}s + setup {seconds['setup']:.2f}s, then " if "setup" in seconds else ""
-    lines = [f"gpudet: {s['processed']}/{s['images']} images{done}, {s['detections']} detections, {s['failed']} failed "
-             f"in {took} ({setup}{s['images_per_s']} img/s on {s['device']})"]
+    found = counted(s["detections"], "detection")
+    lines = [f"gpudet: {s['processed']}/{s['images']} images{done}, {found}, {s['failed']} failed in {took} "
+             f"({setup}{s['images_per_s']} img/s on {s['device']})"]
     stages = [f"{k} {v:.2f}s" for k, v in seconds.items() if k not in ("total", "wall", "startup", "setup")]
     if stages:
         lines.append("        stages: " + ", ".join(stages))
     for w in s.get("workers", []):
         died = w.get("exit_codes", [])[:-1]  # the exit codes of processes restarted after them
-        lines.append(f"        worker {w['device']}: {w['processed']} images, {w['failed']} failed, "
-                     f"{w['images_per_s'] or '-'} img/s, exit {w['exit_code']}"
+        lines.append(f"        worker {w['worker']} on {w['device']}: {counted(w['processed'], 'image')}, "
+                     f"{w['failed']} failed, {w['images_per_s'] or '-'} img/s, exit {w['exit_code']}"
                      + (f" (restarted after {', '.join(map(str, died))})" if died else ""))
     if s["failed_by_reason"]:
         lines.append("        failed: " + ", ".join(f"{k} {v}" for k, v in sorted(s["failed_by_reason"].items())))
@@ -190,8 +199,8 @@ def cmd_export_coco(args: argparse.Namespace) -> int:
     if unmatched:
         log.warning("%d images of %s are not in %s; skipped", unmatched, args.detections, args.annotations)
     if not args.quiet:
-        say(f"gpudet: {len(results)} detections written to {args.out}" +
-              (f" ({unmatched} images not in the annotation file)" if unmatched else ""))
+        say(f"gpudet: {counted(len(results), 'detection')} written to {args.out}" +
+            (f" ({counted(unmatched, 'image')} not in the annotation file)" if unmatched else ""))
     return EXIT_OK
 
 
@@ -210,8 +219,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"metrics": metrics, "detections": len(results), "unmatched_images": unmatched}, f, indent=2)
     if not args.quiet:
-        say("\n".join([f"gpudet eval: {len(results)} detections on {len(gt['images'])} annotated images"
-                        + (f" ({unmatched} detected images not annotated)" if unmatched else "")]
+        annotated = counted(len(gt["images"]), "annotated image")
+        say("\n".join([f"gpudet eval: {counted(len(results), 'detection')} on {annotated}"
+                        + (f" ({counted(unmatched, 'detected image')} not annotated)" if unmatched else "")]
                        + [f"  {name:<6} {value:.4f}" for name, value in metrics.items()]))
     return EXIT_OK
 
@@ -225,7 +235,7 @@ def cmd_draw(args: argparse.Namespace) -> int:
     for line in skipped:
         log.warning("not drawn: %s", line)
     if not args.quiet:
-        say(f"gpudet: {len(written)} images drawn into {args.out}" +
+        say(f"gpudet: {counted(len(written), 'image')} drawn into {args.out}" +
             (f"; {len(skipped)} skipped (listed above; --root if the paths are relative)" if skipped else ""))
     return EXIT_SOME_FAILED if skipped else EXIT_OK
 

@@ -98,20 +98,15 @@ def read_detections(path: str | Path) -> list[dict]:
     """The records gpudet detect wrote: a detections.jsonl, a detections.parquet folder (or one of
     its files), or the output folder that holds either. Anything else is an error naming the file
     (and, for JSONL, its first bad line)."""
-    from .sinks import DETECTIONS, parquet_files, path_of, pyarrow_parquet
+    from .sinks import DETECTIONS, parquet_files, path_of, read_parquet_file
 
     path = Path(path)
     if path.is_dir() and path.suffix != ".parquet":  # an output folder
         path = next((path / name for name in DETECTIONS.values() if (path / name).exists()), path / "detections.jsonl")
     if path.suffix == ".parquet" and path.exists():
-        pq = pyarrow_parquet()
         if path.is_dir() and not parquet_files(path):  # a run where every image failed
             return []
-        try:
-            table = pq.read_table(path)
-        except (OSError, ValueError) as e:  # pyarrow's errors for what is not Parquet
-            raise ConfigError(f"{path}: not Parquet that gpudet detect wrote ({' '.join(str(e).split())[:200]})") \
-                from None
+        table = read_parquet_file(path, fix="pass the detections.parquet folder gpudet detect wrote")
         if not {"path", "path_bytes", "detections"} <= set(table.column_names):
             raise ConfigError(f"{path}: no 'path', 'path_bytes' and 'detections' columns; pass the detections.parquet "
                               "folder gpudet detect wrote")

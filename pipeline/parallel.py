@@ -247,7 +247,7 @@ def _summarise(folder: OutputFolder, source: str, config: Config, refs: list[Ima
         model = model or s.get("model")
         code = worker.exit_codes[-1]
         t = worker.tally
-        per_worker.append({"device": worker.device, "exit_code": code, "exit_codes": worker.exit_codes,
+        per_worker.append({"worker": worker.shard.name, "device": worker.device, "exit_code": code, "exit_codes": worker.exit_codes,
                            "processed": t.processed, "failed": t.failed, "detections": t.detections,
                            "images_per_s": s.get("images_per_s")})
         unrecorded = len(worker.share) - t.processed - t.failed

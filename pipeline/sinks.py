@@ -264,15 +264,19 @@ def parquet_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("*.parquet") if p.is_file()) if folder.is_dir() else []
 
 
-def read_parquet_file(path: Path, columns: list[str] | None = None):
-    """One of a detections.parquet folder's files as a pyarrow Table (only `columns`, if given);
-    OutputError naming it if it is not Parquet gpudet wrote (empty, cut short, other columns)."""
+RESUME_FIX = "remove it (its images are then detected again by --resume), or use --overwrite"
+
+
+def read_parquet_file(path: Path, columns: list[str] | None = None, *, fix: str = RESUME_FIX):
+    """A detections.parquet folder, or one of its files, as a pyarrow Table (only `columns`, if
+    given); OutputError naming it, and saying `fix`, if it is not Parquet gpudet wrote (empty, cut
+    short, other columns)."""
     pq = pyarrow_parquet()
     try:
         return pq.read_table(path, columns=columns)
     except (OSError, ValueError, KeyError) as e:  # pyarrow's ArrowIOError, ArrowInvalid
-        raise OutputError(f"{path}: not a Parquet file gpudet wrote ({' '.join(str(e).split())[:200]}); remove it "
-                          "(its images are then detected again by --resume), or use --overwrite") from None
+        raise OutputError(f"{path}: not Parquet that gpudet detect wrote ({' '.join(str(e).split())[:200]}); "
+                          f"{fix}") from None
 
 
 def text_path(path: str) -> str:

@@ -104,6 +104,20 @@ def test_usage_and_config_errors_exit_2(tmp_path, capsys):
     assert info.value.code == 2
 
 
+def test_format_choices_are_the_writers_and_help_stays_light():
+    """--format's choices are the output formats sinks writes; `--help` parses them without
+    importing sinks (numpy, orjson)."""
+    from pipeline.cli import OUTPUT_FORMATS
+    from pipeline.sinks import FORMATS
+
+    assert OUTPUT_FORMATS == FORMATS
+    code = ("import sys, contextlib, io\nfrom pipeline.cli import main\n"
+            "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+            "    main(['detect', '--help'])\nprint('numpy' in sys.modules, 'pipeline.sinks' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert run.stdout.split() == ["False", "False"], run.stderr
+
+
 @pytest.mark.skipif(cuda_usable(), reason="checks the error on a machine without a usable GPU")
 def test_device_cuda_without_a_gpu_is_an_error_not_a_fallback(tmp_path, capsys):
     assert detect(SAMPLES, "--out", tmp_path, "--device", "cuda") == 2
@@ -116,7 +130,7 @@ def test_python_dash_m_and_the_console_script(tmp_path):
     run = subprocess.run([sys.executable, "-m", "pipeline", "detect", str(listing), "--out", str(tmp_path / "o"),
                           "--device", "cpu"], capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stderr
-    assert "1/1 images, 1 detections" in run.stdout
+    assert "1/1 images, 1 detection," in run.stdout
     assert len(read_jsonl(tmp_path / "o" / "detections.jsonl")) == 1
     if importlib.metadata.packages_distributions().get("pipeline") is None:
         pytest.skip("gpudet is not pip-installed here (PYTHONPATH checkout): no console script to check")

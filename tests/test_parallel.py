@@ -34,10 +34,12 @@ def test_parse_devices():
 
 
 @pytest.mark.parametrize("output_format", ["jsonl", "parquet"])
-def test_two_workers_give_the_single_process_results(tmp_path, output_format):
-    common = ["--quiet", "--format", output_format]
-    assert main(["detect", str(SAMPLES), "--out", str(tmp_path / "one"), "--device", "cpu", *common]) == 0
+def test_two_workers_give_the_single_process_results(tmp_path, capsys, output_format):
+    common = ["--format", output_format]
+    assert main(["detect", str(SAMPLES), "--out", str(tmp_path / "one"), "--device", "cpu", "--quiet", *common]) == 0
     assert main(["detect", str(SAMPLES), "--out", str(tmp_path / "two"), "--devices", "cpu,cpu", *common]) == 0
+    table = capsys.readouterr().out
+    assert "worker 0 on cpu: 3 images" in table and "worker 1 on cpu: 3 images" in table, table
     assert read_results(tmp_path / "one") == read_results(tmp_path / "two") and len(read_results(tmp_path / "two")) == 6
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert [w["processed"] for w in summary["workers"]] == [3, 3] and summary["failed_workers"] == []

@@ -165,7 +165,7 @@ def test_the_merge_keeps_each_image_once_across_shard_files(tmp_path):
                                                      "name": "face"}
 
 
-def test_draw_and_the_coco_reader_take_a_parquet_output(tmp_path):
+def test_draw_and_the_coco_reader_take_a_parquet_output(tmp_path, capsys):
     from pipeline.coco import read_detections
 
     assert detect(SAMPLES, "--out", tmp_path / "p", "--format", "parquet") == 0
@@ -175,6 +175,11 @@ def test_draw_and_the_coco_reader_take_a_parquet_output(tmp_path):
     assert read_detections(tmp_path / "p" / "detections.parquet") == read_detections(tmp_path / "p")
     assert main(["draw", str(tmp_path / "p"), "--out", str(tmp_path / "drawn"), "--quiet"]) == 0
     assert len(list((tmp_path / "drawn").iterdir())) == 6
+    (tmp_path / "p" / "detections.parquet" / "part-9.parquet").write_bytes(b"")
+    assert main(["draw", str(tmp_path / "p"), "--out", str(tmp_path / "drawn"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "detections.parquet: not Parquet that gpudet detect wrote" in err and "pass the detections.parquet" in err
+    assert len(err.splitlines()) == 1, err
     shutil.rmtree(tmp_path / "p" / "detections.parquet")
     (tmp_path / "p" / "detections.parquet").mkdir()  # a run where every image failed
     assert read_detections(tmp_path / "p") == []
@@ -187,7 +192,7 @@ def test_what_is_not_gpudets_parquet_is_one_line_on_resume(tmp_path, capsys):
     capsys.readouterr()
     assert detect(SAMPLES, "--out", out, "--format", "parquet", "--resume") == 2
     err = capsys.readouterr().err
-    assert "part-0.parquet: not a Parquet file gpudet wrote" in err and len(err.splitlines()) == 1, err
+    assert "part-0.parquet: not Parquet that gpudet detect wrote" in err and len(err.splitlines()) == 1, err
     (out / "detections.parquet" / "part-0.parquet").unlink()
     shutil.rmtree(out / "detections.parquet")
     (out / "detections.parquet").write_text("not a folder")
