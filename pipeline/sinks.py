@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import json
 import os
 import shutil
@@ -144,9 +145,13 @@ class JsonlWriter:
         return self
 
     def append(self, records: list[dict]) -> None:
-        if records:
-            write_all(self._fd, jsonl(records), self.path)
-            self.count += len(records)
+        self.write(jsonl(records), len(records))
+
+    def write(self, lines: bytes, count: int) -> None:
+        """`count` records' whole lines, one write."""
+        if lines:
+            write_all(self._fd, lines, self.path)
+            self.count += count
 
     def __exit__(self, *exc) -> None:
         os.close(self._fd)
@@ -298,6 +303,81 @@ def exact_path(path: str) -> bytes | None:
 def path_of(text: str, exact: bytes | None) -> str:
     """A Parquet row's path as Python names the file (the inverse of text_path and exact_path)."""
     return text if exact is None else os.fsdecode(exact)
+
+
+COLUMNS_FROM = 128
+"""The detections in a batch from which `detection_lines` builds them a column at a time. Below,
+one Python dict per detection costs no more than the columns' fixed cost (about twenty numpy
+calls): on the development machine the two cross at about 80 detections with landmarks and 250
+without (docs/BENCHMARKS.md)."""
+
+
+def detection_lines(refs: list[ImageRef], orig_hw: np.ndarray, detections: Detections, label_names: list[str]) -> bytes:
+    """A batch's lines of detections.jsonl: the bytes of `jsonl(detection_records(...))`, built
+    without a Python object per detection. orjson writes each column (boxes, scores, labels,
+    landmarks) in one call over its numpy array, the same numbers as for Python floats; the text is
+    cut at the row boundaries, and an image's detections are one join of those pieces between the
+    fixed keys. A batch of few detections (COLUMNS_FROM), and one with a file name that is not UTF-8
+    (`jsonl`'s escaped lines), is written from the records."""
+    order = np.argsort(detections.batch_index, kind="stable")  # grouped by image, best first within
+    counts = np.bincount(detections.batch_index, minlength=len(refs))[:len(refs)]
+    ends = np.cumsum(counts)
+    m = int(ends[-1]) if len(refs) else 0
+    marks = detections.landmarks
+    if m < COLUMNS_FROM or (marks is not None and marks.shape[1] == 0):  # (no points to cut the text at)
+        return jsonl(detection_records(refs, orig_hw, detections, label_names))
+    order = order[:m]  # rows of images past the batch's refs are not written, as in detection_records
+    close = b"}" if marks is None else b"]]}"
+    pieces = np.empty((m, 9 if marks is None else 11), dtype=object)  # [detection, piece]
+    if m:
+        labels = detections.labels[order].astype(np.int64)
+        pieces[:, 0] = b'{"box":['
+        pieces[:, 1] = numpy_json(np.round(detections.boxes_xyxy[order].astype(np.float64), 2))[2:-2].split(b"],[")
+        pieces[:, 2] = b'],"score":'
+        pieces[:, 3] = numpy_json(np.round(detections.scores[order].astype(np.float64), 5))[1:-1].split(b",")
+        pieces[:, 4] = b',"label":'
+        pieces[:, 5] = numpy_json(labels)[1:-1].split(b",")
+        pieces[:, 6] = b',"name":'
+        pieces[:, 7] = names_json(tuple(label_names), labels)
+        if marks is not None:
+            points = np.round(marks[order].astype(np.float64), 2)  # [M, K, 2]
+            pieces[:, 8] = b',"landmarks":[['
+            pieces[:, 9] = numpy_json(points)[3:-3].split(b"]],[[")
+        pieces[:, -1] = close + b","
+        pieces[ends[counts > 0] - 1, -1] = close + b"]"  # each image's last detection
+        pieces[ends[counts > 0] - counts[counts > 0], 0] = b'[{"box":['  # and its first
+    flat = pieces.ravel().tolist()
+    bounds = (np.concatenate([[0], ends]) * pieces.shape[1]).tolist()
+    try:
+        return b"".join([orjson.dumps({"index": ref.index, "path": ref.path, "width": width, "height": height,
+                                       "detections": orjson.Fragment(b"".join(flat[a:b])) if b > a else NONE_FOUND},
+                                      option=orjson.OPT_APPEND_NEWLINE)
+                         for ref, (height, width), a, b in zip(refs, np.asarray(orig_hw)[:, :2].tolist(), bounds,
+                                                               bounds[1:])])
+    except TypeError:  # orjson's "surrogates not allowed"
+        return jsonl(detection_records(refs, orig_hw, detections, label_names))
+
+
+NONE_FOUND = orjson.Fragment(b"[]")
+
+
+@functools.lru_cache(maxsize=16)
+def label_names_json(label_names: tuple[str, ...]) -> np.ndarray:
+    """Each class name as JSON text, an object array indexed by label."""
+    return np.array([orjson.dumps(name) for name in label_names], dtype=object)
+
+
+def names_json(label_names: tuple[str, ...], labels: np.ndarray) -> np.ndarray:
+    """The JSON text of each label's name (`label_name`: its number where the config names no class)."""
+    table = label_names_json(label_names)
+    if len(labels) and (labels.min() < 0 or labels.max() >= len(table)):
+        return np.array([orjson.dumps(name) for name in label_name(list(label_names), labels.tolist())], dtype=object)
+    return table[labels]
+
+
+def numpy_json(values: np.ndarray) -> bytes:
+    """A numpy array as JSON (nested lists), in one orjson call."""
+    return orjson.dumps(np.ascontiguousarray(values), option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def detection_table(refs: list[ImageRef], orig_hw: np.ndarray, detections: Detections, label_names: list[str]):
@@ -577,13 +657,11 @@ class OutputFolder:
         """A batch's records (one per image: its ref, original size and detections), one write
         (Parquet: held until the writer's next file); returns what the tally counted of them."""
         if self.format == "jsonl":
-            records = detection_records(batch.refs, batch.orig_hw, found, labels)
-            self._writers[0].append(records)
-            rows = [Row(r["index"], True, len(r["detections"])) for r in records]
+            self._writers[0].write(detection_lines(batch.refs, batch.orig_hw, found, labels), len(batch.refs))
         else:
             self._writers[0].append(batch.refs, batch.orig_hw, found, labels)
-            per_image = np.bincount(found.batch_index, minlength=len(batch.refs)).tolist()
-            rows = [Row(ref.index, True, n) for ref, n in zip(batch.refs, per_image)]
+        per_image = np.bincount(found.batch_index, minlength=len(batch.refs)).tolist()
+        rows = [Row(ref.index, True, n) for ref, n in zip(batch.refs, per_image)]
         for row in rows:
             self.tally.count(row)
         return rows

@@ -1,18 +1,26 @@
-"""The output formats: detections.parquet holds what detections.jsonl holds, resumes, merges and
-is read by the tools users read Parquet with."""
+"""The output formats: detections.jsonl's lines built a column at a time are those of the records;
+detections.parquet holds what detections.jsonl holds, resumes, merges and is read by the tools
+users read Parquet with."""
 
 import json
 import os
 import resource
 import shutil
 import sys
+from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
+from pipeline import sinks
 from pipeline.cli import main
-from pipeline.results import Detections, ImageRef
-from pipeline.sinks import OutputFolder, ParquetWriter, Row, detection_table, text_path, write_parquet
+from pipeline.results import Detections, ImageRef, detection_records
+from pipeline.sinks import (OutputFolder, ParquetWriter, Row, detection_lines, detection_table, jsonl, text_path,
+                          write_parquet)
 
 from conftest import SAMPLES, cpu_and_cuda, read_jsonl, read_results
 from test_faults import gpudet, one_clear_line
@@ -118,6 +126,42 @@ def batch_of(indices: list[int], found_per_image: int = 2) -> tuple[list[ImageRe
     return [ImageRef(i, f"img{i}.jpg") for i in indices], np.full((len(indices) + 3, 2), 100), found
 
 
+@st.composite
+def batches(draw):
+    """A batch as the postprocess hands it over: any float32 values (NaN, infinities, subnormals,
+    -0.0), labels in and out of the names, images with no detections, rows of images past the
+    batch's refs, landmarks or none, file names of any characters."""
+    size = draw(st.integers(0, 5))
+    m = draw(st.integers(0, 40))
+    points = draw(st.sampled_from([None, 1, 5]))
+    floats = lambda *shape: draw(hnp.arrays(np.float32, shape, elements=st.floats(width=32)))  # noqa: E731
+    found = Detections(batch_index=np.sort(draw(hnp.arrays(np.int64, m, elements=st.integers(0, size + 1)))),
+                       boxes_xyxy=floats(m, 4), scores=floats(m),
+                       labels=draw(hnp.arrays(np.int64, m, elements=st.integers(-2, 12))),
+                       landmarks=None if points is None else floats(m, points, 2))
+    refs = [ImageRef(draw(st.integers(0, 2**40)), draw(st.text(st.characters(exclude_categories=["Cs"]))))
+            for _ in range(size)]
+    return refs, draw(hnp.arrays(np.int64, (size + 2, 2), elements=st.integers(1, 10**5))), found
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=batches(), names=st.lists(st.text(), max_size=10))
+def test_detection_lines_are_the_bytes_of_the_records(batch, names):
+    """Built a column at a time however few the detections, the lines are those of the records."""
+    refs, orig_hw, found = batch
+    with mock.patch.object(sinks, "COLUMNS_FROM", 0):
+        assert detection_lines(refs, orig_hw, found, names) == jsonl(detection_records(refs, orig_hw, found, names))
+
+
+def test_detection_lines_of_a_name_that_is_not_utf8_are_escaped_as_the_records():
+    refs, orig_hw, found = batch_of([0, 1])
+    refs[1] = ImageRef(1, os.fsdecode(b"caf\xe9.jpg"))
+    with mock.patch.object(sinks, "COLUMNS_FROM", 0):
+        lines = detection_lines(refs, orig_hw, found, ["face"])
+    assert lines == jsonl(detection_records(refs, orig_hw, found, ["face"]))
+    assert os.fsencode(json.loads(lines.splitlines()[1])["path"]) == b"caf\xe9.jpg"
+
+
 def batch_table(indices: list[int], found_per_image: int = 2):
     """Rows of detection_table for images `indices`, each with `found_per_image` detections."""
     return detection_table(*batch_of(indices, found_per_image), ["face"])
@@ -137,6 +181,23 @@ def test_the_writer_holds_batches_until_a_bound_and_writes_them_as_one_file(tmp_
     expected = [row for indices, n in (([0, 1], 2), ([2], 0), ([3, 4], 2), ([5], 3))
                 for row in batch_table(indices, n).to_pylist()]
     assert pq.read_table(tmp_path / "detections.parquet").to_pylist() == expected
+
+
+def test_a_batch_of_many_detections_reads_back_the_same_from_either_format(tmp_path):
+    """OutputFolder.record with JSONL's lines built a column at a time (over COLUMNS_FROM in the
+    batch) and with Parquet's rows: the same records, each image's count in the tally."""
+    refs, orig_hw, found = batch_of([0, 1, 2], found_per_image=sinks.COLUMNS_FROM)
+    folders = {}
+    for output_format in ("jsonl", "parquet"):
+        folder = folders[output_format] = OutputFolder(tmp_path / output_format, output_format=output_format)
+        folder.begin(refs)
+        with folder.writing():
+            rows = folder.record(SimpleNamespace(refs=refs, orig_hw=orig_hw), found, ["face"])
+        assert [(r.index, r.detections) for r in rows] == [(i, sinks.COLUMNS_FROM) for i in range(3)]
+        folder.close()
+    jsonl_records = read_results(tmp_path / "jsonl")
+    parquet_records = [{k: v for k, v in r.items() if k != "path_bytes"} for r in read_results(tmp_path / "parquet")]
+    assert jsonl_records == parquet_records and len(jsonl_records[2]["detections"]) == sinks.COLUMNS_FROM
 
 
 def test_the_merge_keeps_each_image_once_across_shard_files(tmp_path):
