@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import ConfigError, OutputError
 
 METRICS = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 
@@ -104,13 +104,17 @@ def read_detections(path: str | Path) -> list[dict]:
     if path.is_dir() and path.suffix != ".parquet":  # an output folder
         path = next((path / name for name in DETECTIONS.values() if (path / name).exists()), path / "detections.jsonl")
     if path.suffix == ".parquet" and path.exists():
-        if path.is_dir() and not parquet_files(path):  # a run where every image failed
-            return []
-        table = read_parquet_file(path, fix="pass the detections.parquet folder gpudet detect wrote")
-        if not {"path", "path_bytes", "detections"} <= set(table.column_names):
-            raise ConfigError(f"{path}: no 'path', 'path_bytes' and 'detections' columns; pass the detections.parquet "
-                              "folder gpudet detect wrote")
-        records = table.to_pylist()
+        records = []
+        for part in parquet_files(path) if path.is_dir() else [path]:  # none: a run where every image failed
+            try:
+                table = read_parquet_file(part, fix="remove it; `gpudet detect --resume` into its output folder then "
+                                                    "detects its images again")
+            except OutputError as e:  # the input of this command, not its output
+                raise ConfigError(str(e)) from None
+            if not {"path", "path_bytes", "detections"} <= set(table.column_names):
+                raise ConfigError(f"{part}: no 'path', 'path_bytes' and 'detections' columns; pass the "
+                                  "detections.parquet folder gpudet detect wrote")
+            records += table.to_pylist()
         for record in records:  # as detections.jsonl holds it
             record["path"] = path_of(record["path"], record.pop("path_bytes"))
         return records

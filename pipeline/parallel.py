@@ -247,9 +247,9 @@ def _summarise(folder: OutputFolder, source: str, config: Config, refs: list[Ima
         model = model or s.get("model")
         code = worker.exit_codes[-1]
         t = worker.tally
-        per_worker.append({"worker": worker.shard.name, "device": worker.device, "exit_code": code, "exit_codes": worker.exit_codes,
-                           "processed": t.processed, "failed": t.failed, "detections": t.detections,
-                           "images_per_s": s.get("images_per_s")})
+        per_worker.append({"worker": int(worker.shard.name), "device": worker.device, "exit_code": code,
+                           "exit_codes": worker.exit_codes, "processed": t.processed, "failed": t.failed,
+                           "detections": t.detections, "images_per_s": s.get("images_per_s")})
         unrecorded = len(worker.share) - t.processed - t.failed
         # 3: some images failed, 130: interrupted; 1, 2: an error of gpudet's. Killed (a negative code)
         # after recording its whole share, nothing is missing.

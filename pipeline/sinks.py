@@ -305,28 +305,38 @@ def path_of(text: str, exact: bytes | None) -> str:
     return text if exact is None else os.fsdecode(exact)
 
 
-COLUMNS_FROM = 128
-"""The detections in a batch from which `detection_lines` builds them a column at a time. Below,
-one Python dict per detection costs no more than the columns' fixed cost (about twenty numpy
-calls): on the development machine the two cross at about 80 detections with landmarks and 250
-without (docs/BENCHMARKS.md)."""
+COLUMNS_FROM = {"boxes": 256, "landmarks": 96}
+"""The detections in a batch from which `detection_lines` builds them a column at a time, without
+and with landmarks. Below, one Python dict per detection costs no more than the columns' fixed
+cost (about twenty numpy calls): where the two cross on the development machine
+(docs/BENCHMARKS.md)."""
 
 
 def detection_lines(refs: list[ImageRef], orig_hw: np.ndarray, detections: Detections, label_names: list[str]) -> bytes:
     """A batch's lines of detections.jsonl: the bytes of `jsonl(detection_records(...))`, built
-    without a Python object per detection. orjson writes each column (boxes, scores, labels,
-    landmarks) in one call over its numpy array, the same numbers as for Python floats; the text is
-    cut at the row boundaries, and an image's detections are one join of those pieces between the
-    fixed keys. A batch of few detections (COLUMNS_FROM), and one with a file name that is not UTF-8
-    (`jsonl`'s escaped lines), is written from the records."""
+    without a Python object per detection from COLUMNS_FROM detections in the batch. orjson writes
+    each column (boxes, scores, labels, landmarks) in one call over its numpy array, the same
+    numbers as for Python floats; the text is cut at the row boundaries, and an image's detections
+    are one join of those pieces between the fixed keys. Text that is not UTF-8 (a file name or
+    a class name with Python's lone surrogates) takes `jsonl`'s escaped lines instead."""
+    marks = detections.landmarks
+    few = len(detections.scores) < COLUMNS_FROM["boxes" if marks is None else "landmarks"]
+    if not (few or (marks is not None and marks.shape[1] == 0)):  # (no landmarks: no points to cut the text at)
+        try:
+            return column_lines(refs, orig_hw, detections, label_names)
+        except TypeError:  # orjson's "surrogates not allowed"
+            pass
+    return jsonl(detection_records(refs, orig_hw, detections, label_names))
+
+
+def column_lines(refs: list[ImageRef], orig_hw: np.ndarray, detections: Detections, label_names: list[str]) -> bytes:
+    """`detection_lines` a column at a time; TypeError for text that is not UTF-8."""
     order = np.argsort(detections.batch_index, kind="stable")  # grouped by image, best first within
     counts = np.bincount(detections.batch_index, minlength=len(refs))[:len(refs)]
     ends = np.cumsum(counts)
     m = int(ends[-1]) if len(refs) else 0
-    marks = detections.landmarks
-    if m < COLUMNS_FROM or (marks is not None and marks.shape[1] == 0):  # (no points to cut the text at)
-        return jsonl(detection_records(refs, orig_hw, detections, label_names))
     order = order[:m]  # rows of images past the batch's refs are not written, as in detection_records
+    marks = detections.landmarks
     close = b"}" if marks is None else b"]]}"
     pieces = np.empty((m, 9 if marks is None else 11), dtype=object)  # [detection, piece]
     if m:
@@ -348,14 +358,11 @@ def detection_lines(refs: list[ImageRef], orig_hw: np.ndarray, detections: Detec
         pieces[ends[counts > 0] - counts[counts > 0], 0] = b'[{"box":['  # and its first
     flat = pieces.ravel().tolist()
     bounds = (np.concatenate([[0], ends]) * pieces.shape[1]).tolist()
-    try:
-        return b"".join([orjson.dumps({"index": ref.index, "path": ref.path, "width": width, "height": height,
-                                       "detections": orjson.Fragment(b"".join(flat[a:b])) if b > a else NONE_FOUND},
-                                      option=orjson.OPT_APPEND_NEWLINE)
-                         for ref, (height, width), a, b in zip(refs, np.asarray(orig_hw)[:, :2].tolist(), bounds,
-                                                               bounds[1:])])
-    except TypeError:  # orjson's "surrogates not allowed"
-        return jsonl(detection_records(refs, orig_hw, detections, label_names))
+    return b"".join([orjson.dumps({"index": ref.index, "path": ref.path, "width": width, "height": height,
+                                   "detections": orjson.Fragment(b"".join(flat[a:b])) if b > a else NONE_FOUND},
+                                  option=orjson.OPT_APPEND_NEWLINE)
+                     for ref, (height, width), a, b in zip(refs, np.asarray(orig_hw)[:, :2].tolist(), bounds,
+                                                           bounds[1:])])
 
 
 NONE_FOUND = orjson.Fragment(b"[]")

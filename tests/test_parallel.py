@@ -42,8 +42,9 @@ def test_two_workers_give_the_single_process_results(tmp_path, capsys, output_fo
     assert "worker 0 on cpu: 3 images" in table and "worker 1 on cpu: 3 images" in table, table
     assert read_results(tmp_path / "one") == read_results(tmp_path / "two") and len(read_results(tmp_path / "two")) == 6
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
-    assert [w["processed"] for w in summary["workers"]] == [3, 3] and summary["failed_workers"] == []
-    assert summary["model"]["contract"] == "end_to_end" and summary["config"]["run"]["device"] == "auto"
+    assert [(w["worker"], w["processed"]) for w in summary["workers"]] == [(0, 3), (1, 3)]
+    assert summary["failed_workers"] == [] and summary["model"]["contract"] == "end_to_end"
+    assert summary["config"]["run"]["device"] == "auto"
 
 
 def test_a_failing_worker_is_reported_and_resume_finishes(tmp_path, capsys):

@@ -126,11 +126,15 @@ def batch_of(indices: list[int], found_per_image: int = 2) -> tuple[list[ImageRe
     return [ImageRef(i, f"img{i}.jpg") for i in indices], np.full((len(indices) + 3, 2), 100), found
 
 
+ANY_CHARACTER = st.characters(exclude_categories=())
+"""Lone surrogates too: Python's name for a byte of a file name that is not UTF-8."""
+
+
 @st.composite
 def batches(draw):
     """A batch as the postprocess hands it over: any float32 values (NaN, infinities, subnormals,
     -0.0), labels in and out of the names, images with no detections, rows of images past the
-    batch's refs, landmarks or none, file names of any characters."""
+    batch's refs, landmarks or none, file names of any characters (lone surrogates too)."""
     size = draw(st.integers(0, 5))
     m = draw(st.integers(0, 40))
     points = draw(st.sampled_from([None, 1, 5]))
@@ -139,27 +143,30 @@ def batches(draw):
                        boxes_xyxy=floats(m, 4), scores=floats(m),
                        labels=draw(hnp.arrays(np.int64, m, elements=st.integers(-2, 12))),
                        landmarks=None if points is None else floats(m, points, 2))
-    refs = [ImageRef(draw(st.integers(0, 2**40)), draw(st.text(st.characters(exclude_categories=["Cs"]))))
-            for _ in range(size)]
+    refs = [ImageRef(draw(st.integers(0, 2**40)), draw(st.text(ANY_CHARACTER))) for _ in range(size)]
     return refs, draw(hnp.arrays(np.int64, (size + 2, 2), elements=st.integers(1, 10**5))), found
 
 
 @settings(max_examples=300, deadline=None)
-@given(batch=batches(), names=st.lists(st.text(), max_size=10))
+@given(batch=batches(), names=st.lists(st.text(ANY_CHARACTER), max_size=10))
 def test_detection_lines_are_the_bytes_of_the_records(batch, names):
     """Built a column at a time however few the detections, the lines are those of the records."""
     refs, orig_hw, found = batch
-    with mock.patch.object(sinks, "COLUMNS_FROM", 0):
+    with mock.patch.dict(sinks.COLUMNS_FROM, boxes=0, landmarks=0):
         assert detection_lines(refs, orig_hw, found, names) == jsonl(detection_records(refs, orig_hw, found, names))
 
 
 def test_detection_lines_of_a_name_that_is_not_utf8_are_escaped_as_the_records():
-    refs, orig_hw, found = batch_of([0, 1])
+    """A file name, or a class name, with bytes that are not UTF-8, in a batch over COLUMNS_FROM."""
+    refs, orig_hw, found = batch_of([0, 1], found_per_image=sinks.COLUMNS_FROM["boxes"])
     refs[1] = ImageRef(1, os.fsdecode(b"caf\xe9.jpg"))
-    with mock.patch.object(sinks, "COLUMNS_FROM", 0):
-        lines = detection_lines(refs, orig_hw, found, ["face"])
+    lines = detection_lines(refs, orig_hw, found, ["face"])
     assert lines == jsonl(detection_records(refs, orig_hw, found, ["face"]))
     assert os.fsencode(json.loads(lines.splitlines()[1])["path"]) == b"caf\xe9.jpg"
+    refs[1] = ImageRef(1, "cafe.jpg")
+    lines = detection_lines(refs, orig_hw, found, [os.fsdecode(b"caf\xe9")])
+    assert lines == jsonl(detection_records(refs, orig_hw, found, [os.fsdecode(b"caf\xe9")]))
+    assert json.loads(lines.splitlines()[0])["detections"][0]["name"] == os.fsdecode(b"caf\xe9")
 
 
 def batch_table(indices: list[int], found_per_image: int = 2):
@@ -186,18 +193,19 @@ def test_the_writer_holds_batches_until_a_bound_and_writes_them_as_one_file(tmp_
 def test_a_batch_of_many_detections_reads_back_the_same_from_either_format(tmp_path):
     """OutputFolder.record with JSONL's lines built a column at a time (over COLUMNS_FROM in the
     batch) and with Parquet's rows: the same records, each image's count in the tally."""
-    refs, orig_hw, found = batch_of([0, 1, 2], found_per_image=sinks.COLUMNS_FROM)
+    per_image = sinks.COLUMNS_FROM["boxes"]
+    refs, orig_hw, found = batch_of([0, 1, 2], found_per_image=per_image)
     folders = {}
     for output_format in ("jsonl", "parquet"):
         folder = folders[output_format] = OutputFolder(tmp_path / output_format, output_format=output_format)
         folder.begin(refs)
         with folder.writing():
             rows = folder.record(SimpleNamespace(refs=refs, orig_hw=orig_hw), found, ["face"])
-        assert [(r.index, r.detections) for r in rows] == [(i, sinks.COLUMNS_FROM) for i in range(3)]
+        assert [(r.index, r.detections) for r in rows] == [(i, per_image) for i in range(3)]
         folder.close()
     jsonl_records = read_results(tmp_path / "jsonl")
     parquet_records = [{k: v for k, v in r.items() if k != "path_bytes"} for r in read_results(tmp_path / "parquet")]
-    assert jsonl_records == parquet_records and len(jsonl_records[2]["detections"]) == sinks.COLUMNS_FROM
+    assert jsonl_records == parquet_records and len(jsonl_records[2]["detections"]) == per_image
 
 
 def test_the_merge_keeps_each_image_once_across_shard_files(tmp_path):
@@ -239,7 +247,7 @@ def test_draw_and_the_coco_reader_take_a_parquet_output(tmp_path, capsys):
     (tmp_path / "p" / "detections.parquet" / "part-9.parquet").write_bytes(b"")
     assert main(["draw", str(tmp_path / "p"), "--out", str(tmp_path / "drawn"), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "detections.parquet: not Parquet that gpudet detect wrote" in err and "pass the detections.parquet" in err
+    assert "part-9.parquet: not Parquet that gpudet detect wrote" in err and "gpudet detect --resume" in err
     assert len(err.splitlines()) == 1, err
     shutil.rmtree(tmp_path / "p" / "detections.parquet")
     (tmp_path / "p" / "detections.parquet").mkdir()  # a run where every image failed
