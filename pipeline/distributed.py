@@ -6,7 +6,8 @@ their own results.
                                                          stays full across Ray's batches, writing
                                                          its records into out/shards/ray-<id>/
       -> the driver: one small row per image back (progress), then the shards merged into the
-         output folder by image index, as --devices merges its workers'
+         output folder by image index, as --devices merges its workers', and removed once every
+         image is recorded
 
 The driver holds the images' paths, never their results. Ray may run a batch again after an
 actor fails: the merge keeps each image once, and --resume reads the shards a killed run left.
@@ -185,6 +186,8 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
             model=model,
             config=config.to_dict(),
             extra={"ray": address or "local", "actors": workers, "gpus_per_actor": gpus, "not_recorded": missing})
+        if not (failure or missing or folder.tally.interrupted):  # every image recorded: no actor writes any more
+            folder.drop_shards()
     if (failure or missing) and not folder.tally.interrupted:  # interrupted: Tally.exit_code says 130
         raise RayJobError(f"the Ray job ended with {missing} images not recorded ({failure or 'see the Ray log'}); "
                           "what the actors wrote is kept: run again with --resume")

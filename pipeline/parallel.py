@@ -5,12 +5,15 @@ and ORT session on its share of the images, merged into the usual output files.
     out/detections.*, errors.jsonl                         the merge: every input exactly once
     out/summary.json                                       totals and one entry per worker
 
+The shards are removed once merged, when every image of the run is recorded; a run interrupted, or
+with a worker that failed, keeps them for --resume.
+
 The parent lists the images, takes out those already recorded (--resume), deals the rest
 round-robin to the workers (`todo[k::n]`, so every input goes to exactly one), starts them
 (spawn: CUDA cannot be forked), shows one progress bar from the shard files, and merges when all
 have stopped. A worker that dies (a signal: killed, or aborted by a CUDA fault) is started again
 on its images not yet recorded (run.worker_restarts). A worker that fails otherwise is reported with
-its device and exit code; what it wrote stays in its shard and a --resume picks up the rest. The
+its device and exit code; what it wrote is merged and a --resume picks up the rest. The
 summary's counts are read from the merged records, so a process that died is counted too. Ctrl-C
 or SIGTERM to the parent stops the workers (each ends its batch), merges what they wrote and
 exits 130.
@@ -178,7 +181,10 @@ def _run_on_devices(folder: OutputFolder, source: str, config: Config, devices: 
             folder.tally.count(row)
 
     folder.merge(count)
-    return _summarise(folder, source, config, refs, todo, devices, workers, started, started_at)
+    result = _summarise(folder, source, config, refs, todo, devices, workers, started, started_at)
+    if not folder.tally.interrupted and not result.summary["failed_workers"]:  # every image recorded
+        folder.drop_shards()
+    return result
 
 
 def _wait_with_progress(workers: list[Worker], files: list[Path], total: int, progress: bool | None,

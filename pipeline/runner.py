@@ -66,6 +66,8 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, s
             folder.tally.interrupted = True
     if folder.shards:  # an earlier --devices or --ray run's records, counted as done by begin
         folder.merge()
+        if not folder.tally.interrupted:
+            folder.drop_shards()
     total_s = time.perf_counter() - t0
     summary = folder.write_summary(
         source=source, images=images, todo=len(todo), device=detector.device.describe(),

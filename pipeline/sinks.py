@@ -488,6 +488,15 @@ def write_all(fd: int, data: bytes, path: Path) -> None:
         raise OutputWriteError(path, e) from None
 
 
+def fsync_folder(path: Path) -> None:
+    """The folder's entries (files renamed or moved into it) on the disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_json_atomic(path: Path, value: Any) -> None:
     """Written beside `path`, then renamed over it: a reader sees the old file or the new one."""
     tmp = path.with_name(path.name + ".tmp")
@@ -715,9 +724,11 @@ class OutputFolder:
                             write_all(fd, b"".join(block), tmp)
                             block.clear()
             write_all(fd, b"".join(block), tmp)
+            os.fsync(fd)  # on the disk before the shards it holds can be removed (drop_shards)
         finally:
             os.close(fd)
         os.replace(tmp, self.path / name)
+        fsync_folder(self.path)
 
     def _merge_parquet(self, seen: set[int], count: Callable[[Row], None]) -> None:
         import pyarrow.compute as pc
@@ -742,6 +753,14 @@ class OutputFolder:
                     write_parquet(table.filter(keep), target / part.name)
                 if part.parent != target or not any(keep):
                     part.unlink()
+        fsync_folder(target)  # the files moved in: their new names on the disk
+
+    def drop_shards(self) -> None:
+        """Remove the shards, merged into this folder's files (on the disk: `merge` syncs them), so
+        that a finished run's folder holds each record once. A runner calls it only once every
+        image of its run is recorded and nothing writes to the shards any more; otherwise they stay,
+        for --resume to merge."""
+        shutil.rmtree(self.path / SHARDS, ignore_errors=True)
 
     def write_summary(self, *, source: str, images: int, todo: int, device: str, seconds: dict[str, float],
                       loop_seconds: float, started: datetime, model: dict | None = None, config: dict | None = None,

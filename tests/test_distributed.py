@@ -58,14 +58,14 @@ def ray_run(*args, timeout=600) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_actors_write_their_own_shards_and_the_driver_summary_names_model_and_config(tmp_path):
+def test_the_actors_shards_are_merged_and_removed_and_the_driver_summary_names_model_and_config(tmp_path):
     run = ray_run(SAMPLES, "--out", tmp_path / "o", "--ray", "--workers", "2", "--device", "cpu", "--batch-size", "2",
                   "--quiet", "--log-json")
     assert run.returncode == 0, run.stderr[-3000:]
     for line in run.stderr.splitlines():  # --log-json: Ray's messages too, one JSON object a line
         json.loads(line)
-    shards = sorted((tmp_path / "o" / "shards").glob("ray-*/detections.jsonl"))
-    assert shards and sum(len(read_jsonl(s)) for s in shards) == 6  # written by the actors
+    assert len(read_jsonl(tmp_path / "o" / "detections.jsonl")) == 6
+    assert not (tmp_path / "o" / "shards").exists()  # merged, then removed: each record once in the folder
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert summary["model"]["contract"] == "end_to_end" and summary["config"]["run"]["batch_size"] == 2
     assert summary["processed"] == 6 and summary["detections"] == 3
@@ -104,6 +104,7 @@ def test_an_actor_killed_mid_run_loses_no_image_and_repeats_none(tmp_path, outpu
         resumed = ray_run(listing, "--out", out, *options, "--resume")
         assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["index"] for r in read_results(out)] == list(range(len(photos) * 20))
+    assert not (out / "shards").exists()
 
 
 def read_bytes(path: Path) -> bytes:
@@ -132,6 +133,7 @@ def test_sigterm_to_a_ray_run_is_130_with_a_summary_and_resume_finishes(tmp_path
                        "--quiet", "--resume")
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == list(range(400))
+    assert not (out / "shards").exists()  # kept by the interrupted run, merged and removed by the resume
 
 
 def test_an_actor_whose_stream_stops_fails_every_request_instead_of_hanging(tmp_path):

@@ -13,6 +13,7 @@ import pytest
 from pipeline.cli import main
 from pipeline.device import DeviceError
 from pipeline.parallel import parse_devices
+from pipeline.sinks import OutputFolder
 
 from conftest import SAMPLES, cuda_usable, read_jsonl, read_results
 
@@ -71,6 +72,7 @@ def test_a_failing_worker_is_reported_and_resume_finishes(tmp_path, capsys):
     failed = read_jsonl(out / "errors.jsonl")
     assert sorted([r["index"] for r in done] + [e["index"] for e in failed]) == list(range(7))
     assert [e["reason"] for e in failed] == ["empty"]
+    assert not (out / "shards").exists()  # kept by the run with a failed worker; this one recorded every image
 
 
 def test_a_worker_that_dies_is_started_again_on_what_it_had_not_recorded(tmp_path, capsys):
@@ -114,23 +116,30 @@ def test_a_worker_that_dies_is_started_again_on_what_it_had_not_recorded(tmp_pat
     assert "exit 0 (restarted after -9)" in printed.out
 
 
-def test_resume_on_fewer_devices_merges_every_shard_it_counted(tmp_path):
+def test_resume_on_fewer_devices_merges_every_shard_it_counted(tmp_path, monkeypatch):
     """A --devices run on three workers stopped before its merge (killed): its records are only in
-    shards/0..2. A --resume on one device counts them as done, so it must merge all three."""
+    shards/0..2. A --resume on one device counts them as done, so it must merge all three; a
+    single-process --resume does the same. The run that completes removes the shards."""
     listing = tmp_path / "list.txt"
     listing.write_text("".join(f"{p}\n" for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md") * 2)
     out = tmp_path / "out"
+
+    def killed_before_the_merge():
+        for name in ("detections.jsonl", "errors.jsonl", "summary.json"):
+            (out / name).unlink(missing_ok=True)
+
+    monkeypatch.setattr(OutputFolder, "drop_shards", lambda self: None)  # these runs leave their shards
     assert main(["detect", str(listing), "--out", str(out), "--devices", "cpu,cpu,cpu", "--quiet"]) == 0
-    for name in ("detections.jsonl", "errors.jsonl", "summary.json"):
-        (out / name).unlink(missing_ok=True)
+    killed_before_the_merge()
     assert main(["detect", str(listing), "--out", str(out), "--devices", "cpu", "--resume", "--quiet"]) == 0
     assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == list(range(12))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["already_done"] == 12 and summary["workers"] == []  # nothing left: no worker started
-    # A single-process --resume reads and merges the shards the same way.
-    (out / "detections.jsonl").unlink()
+    killed_before_the_merge()
+    monkeypatch.undo()
     assert main(["detect", str(listing), "--out", str(out), "--device", "cpu", "--resume", "--quiet"]) == 0
     assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == list(range(12))
+    assert not (out / "shards").exists()
 
 
 def test_more_devices_than_images_start_only_the_workers_with_images(tmp_path):
@@ -139,7 +148,6 @@ def test_more_devices_than_images_start_only_the_workers_with_images(tmp_path):
     assert main(["detect", str(image), "--out", str(out), "--devices", "cpu,cpu", "--quiet"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["devices"] == ["cpu", "cpu"] and [w["processed"] for w in summary["workers"]] == [1]
-    assert not (out / "shards" / "1").exists()
 
 
 def test_sigterm_to_the_parent_stops_the_workers_and_keeps_what_they_wrote(tmp_path):
@@ -168,8 +176,10 @@ def test_sigterm_to_the_parent_stops_the_workers_and_keeps_what_they_wrote(tmp_p
     assert summary["interrupted"] and [w["exit_code"] for w in summary["workers"]] == [130, 130]
     first = read_jsonl(out / "detections.jsonl")
     assert 0 < len(first) < len(images) and summary["processed"] == len(first)
+    assert (out / "shards").is_dir()  # kept for the resume
     assert main(["detect", str(listing), "--out", str(out), "--devices", "cpu,cpu", "--resume", "--quiet"]) == 0
     assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == list(range(len(images)))
+    assert not (out / "shards").exists()
 
 
 def test_a_worker_logs_as_its_parent():
