@@ -65,7 +65,8 @@ def naive_images_per_s(refs: list[ImageRef], detector: Detector) -> float:
         scale = min(height / image.height, width / image.width)
         resized = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))),
                                Image.Resampling.BILINEAR)
-        canvas = np.full((height, width, 3), p.pad_value, np.float32)
+        canvas = np.empty((height, width, 3), np.float32)
+        canvas[:] = mean if p.pad_value is None else p.pad_value  # as the DALI graph pads
         pixels = np.asarray(resized, np.float32)
         canvas[:pixels.shape[0], :pixels.shape[1]] = pixels[..., ::-1] if p.channel_order == "BGR" else pixels
         tensor = ((canvas - mean) / std).astype(dtype)

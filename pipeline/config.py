@@ -56,8 +56,10 @@ class PreprocessConfig:
     mean: tuple[float, ...] = (104.0, 117.0, 127.0)
     """Per channel, in channel_order, in 0..255 pixel units."""
     std: tuple[float, ...] = (1.0, 1.0, 1.0)
-    pad_value: float = 0.0
-    """Pixel value (0..255, before normalisation) of the letterbox padding."""
+    pad_value: float | None = None
+    """The letterbox padding: a pixel value (0..255) in every channel, normalised as the image is;
+    None: the mean colour (0 once normalised), what torchvision's detection transform pads with and
+    what RetinaFace was trained on."""
     decoder: Literal["auto", "cpu"] = "auto"
     """auto: on a GPU, nvJPEG (with the hardware JPEG decoder where the GPU has one); on the CPU,
     the CPU decoders. cpu: decode on the CPU everywhere, the rest still on the device: the decoded
@@ -181,7 +183,8 @@ class Config:
         need(p.max_pixels >= 0, "preprocess.max_pixels", "must be >= 0 (0: no limit)")
         need(p.max_file_mb >= 0, "preprocess.max_file_mb", "must be >= 0 (0: no cap)")
         need(p.max_batch_pixels >= 0, "preprocess.max_batch_pixels", "must be >= 0 (0: no bound)")
-        need(0 <= p.pad_value <= 255, "preprocess.pad_value", "must be a pixel value in [0, 255]")
+        need(p.pad_value is None or 0 <= p.pad_value <= 255, "preprocess.pad_value",
+             "must be a pixel value in [0, 255], or null for the mean colour")
         need(0.0 <= p.hw_decoder_load <= 1.0, "preprocess.hw_decoder_load", "must be in [0, 1]")
         q = self.postprocess
         check_thresholds(q.score_threshold, q.iou_threshold, q.max_detections, where="postprocess.")

@@ -67,8 +67,10 @@ def decode(encoded, *, decode_device: str, channel_order: str, hw_decoder_load: 
 
 
 def letterbox_graph(images, *, height: int, width: int, resize: str, mean: list[float], std: list[float],
-                    pad_value: float, dtype: types.DALIDataType, layout: str):
-    """uint8 HWC images (any device) -> the model's input: (images, resized HWC shape)."""
+                    pad_value: float | None, dtype: types.DALIDataType, layout: str):
+    """uint8 HWC images (any device) -> the model's input: (images, resized HWC shape). The
+    padding is the pixel value pad_value (0..255) in every channel, normalised as the image is;
+    None: the mean colour, 0 once normalised."""
     if resize == "letterbox":
         # not_larger keeps the aspect ratio inside height x width. subpixel_scale=False makes the
         # scale exactly (resized size / original size) per axis, which is what maps boxes back.
@@ -76,10 +78,11 @@ def letterbox_graph(images, *, height: int, width: int, resize: str, mean: list[
     else:
         images = fn.resize(images, size=[height, width], subpixel_scale=False, antialias=True)
     resized_shape = images.shape()
-    # The crop window larger than the image, anchored top-left, pads right/bottom with pad_value
-    # (applied before normalisation).
+    # The crop window larger than the image, anchored top-left, pads right/bottom. Its fill_values
+    # are written into the output, after normalisation: a pixel value is normalised here.
+    fill = [0.0] * 3 if pad_value is None else [(pad_value - m) / s for m, s in zip(mean, std)]
     images = fn.crop_mirror_normalize(images, crop=[height, width], crop_pos_x=0.0, crop_pos_y=0.0,
-                                      out_of_bounds_policy="pad", fill_values=[pad_value] * 3,
+                                      out_of_bounds_policy="pad", fill_values=fill,
                                       mean=mean, std=std, dtype=dtype, output_layout=layout)
     return images, resized_shape
 
@@ -132,7 +135,7 @@ class Preprocessor:
 
     def __init__(self, *, device: Device, batch_size: int, num_threads: int, height: int, width: int,
                  resize: Literal["letterbox", "stretch"], channel_order: Literal["RGB", "BGR"],
-                 mean: list[float], std: list[float], pad_value: float,
+                 mean: list[float], std: list[float], pad_value: float | None,
                  dtype: Literal["float32", "float16"], layout: Literal["NCHW", "NHWC"],
                  pad_partial_batches: bool = False, decoder: Literal["auto", "cpu"] = "auto",
                  hw_decoder_load: float = HW_DECODER_LOAD,

@@ -137,9 +137,11 @@ def torch_eager(model: torch.nn.Module, batch: int, size_hw: tuple[int, int], lo
 
 def letterbox_gpu(images: list[torch.Tensor], size_hw: tuple[int, int]) -> tuple[torch.Tensor, list[float]]:
     """uint8 [3, h, w] images on the GPU -> one fp16 [B, 3, H, W] channels_last batch, each image
-    scaled to fit (bilinear, antialiased) at the top left, normalized; and each image's scale."""
+    scaled to fit (bilinear, antialiased) at the top left, normalized, the rest the mean colour (0
+    once normalized, as torchvision's transform and gpudet pad); and each image's scale."""
     height, width = size_hw
-    batch = torch.zeros(len(images), 3, height, width, device=DEVICE, dtype=torch.float16)
+    batch = torch.tensor(MEAN, device=DEVICE, dtype=torch.float16)[None, :, None, None].repeat(len(images), 1, height,
+                                                                                                width)
     scales = []
     for i, image in enumerate(images):
         scale = min(height / image.shape[1], width / image.shape[2])

@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline.postprocess import RETINANET_METADATA, RetinaNetHeads, decode_box_deltas  # noqa: E402
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+IMAGENET_MEAN, IMAGENET_STD = [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]  # torchvision's, in 0..255 units
 
 ARCHITECTURES = {"retinanet_resnet50_fpn": retinanet_resnet50_fpn,
                  "retinanet_resnet50_fpn_v2": retinanet_resnet50_fpn_v2}
@@ -115,9 +116,8 @@ def detection_load_shift(model: nn.Module, detections_per_image: float, paths: l
         scale = min(size_hw[0] / image.height, size_hw[1] / image.width)
         image = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))),
                              Image.Resampling.BILINEAR)
-        pixels = np.zeros((*size_hw, 3), np.float32)
-        pixels[:image.height, :image.width] = np.asarray(image)
-        pixels = (pixels - [123.675, 116.28, 103.53]) / [58.395, 57.12, 57.375]
+        pixels = np.zeros((*size_hw, 3), np.float32)  # the padding: 0 once normalized, as gpudet pads
+        pixels[:image.height, :image.width] = (np.asarray(image) - IMAGENET_MEAN) / IMAGENET_STD
         images.append(torch.from_numpy(pixels.transpose(2, 0, 1).astype(np.float32)))
     batch = torch.stack(images)
     model = copy.deepcopy(model).float().eval()

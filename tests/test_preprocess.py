@@ -54,6 +54,17 @@ def test_letterbox_geometry_portrait_landscape_odd(device, height, width):
 
 
 @cpu_and_cuda()
+@pytest.mark.parametrize("pad_value, padding", [(7.0, [(7 - 10) / 2, (7 - 20) / 4, (7 - 30) / 5]), (None, [0, 0, 0])])
+def test_the_padding_is_a_pixel_value_normalised_as_the_image(device, pad_value, padding):
+    """pad_value is a pixel: normalised with the image's mean and std (DALI writes its fill values
+    into the normalised output); None pads the mean colour, 0 once normalised."""
+    item = EncodedImage(ImageRef(0, "grey.png"), encode(Image.new("RGB", (20, 64), (50, 50, 50))))
+    image = as_numpy(preprocessor(device, mean=[10, 20, 30], std=[2, 4, 5], pad_value=pad_value).run([item]).images)[0]
+    assert np.allclose(image[:, :, 40:], np.array(padding, np.float32)[:, None, None])  # right of the 20 px wide image
+    assert np.allclose(image[:, :, :20], np.array([(50 - 10) / 2, (50 - 20) / 4, (50 - 30) / 5])[:, None, None])
+
+
+@cpu_and_cuda()
 def test_grayscale_png_and_channel_order_and_normalisation(device):
     gray = Image.open(SAMPLES / "camera.png")
     assert gray.mode == "L"

@@ -466,7 +466,9 @@ def test_gpudet_bench_on_a_static_batch_model(exported, tmp_path, capsys):
 def test_a_seeded_load_keeps_about_the_detections_asked_for():
     """export_retinanet.py --detections-per-image: random weights keep no detection above 0.05;
     the shifted class bias keeps about the number asked for on the calibration photos, and the
-    shift is what the exported model carries."""
+    shift is what the exported model carries. gpudet's own letterbox (DALI) gives the pixels the
+    calibration saw, the padding too, so the load is the same through it: the load is steep, and
+    a padding of another colour moved it several times over."""
     photos = [str(SAMPLES / n) for n in ("astronaut.png", "grace_hopper.jpg", "china.jpg", "coffee.png")]
     model = exporter.build_model("retinanet_resnet50_fpn", None, 91, seed=0)
     seeded = exporter.build_model("retinanet_resnet50_fpn", None, 91, seed=0)
@@ -479,6 +481,25 @@ def test_a_seeded_load_keeps_about_the_detections_asked_for():
     counts = [len(d["scores"]) for d in after]
     assert 20 <= np.mean(counts) <= 80, counts
     assert all(d["labels"].min() > 0 for d in after if len(d["labels"]))  # never the background id
+    ours = gpudet_letterbox(photos)
+    assert (ours - letterboxed).abs().mean() < 0.01  # a tenth of a pixel level: the resize filters' rounding
+    through_gpudet = [len(d["scores"]) for d in exporter.torchvision_detections(seeded, ours, **THRESHOLDS)]
+    assert abs(np.mean(through_gpudet) - np.mean(counts)) <= 0.1 * np.mean(counts), (through_gpudet, counts)
+
+
+def gpudet_letterbox(paths: list[str]) -> torch.Tensor:
+    """The photos through gpudet's preprocessing on the CPU, with retinanet_r50_coco.yaml's values."""
+    from pipeline.config import load_config
+    from pipeline.device import Device
+    from pipeline.preprocess import Preprocessor
+    from pipeline.source import EncodedImage, ImageRef
+
+    p = load_config(ROOT / "configs" / "retinanet_r50_coco.yaml").preprocess
+    preprocessor = Preprocessor(device=Device("cpu"), batch_size=len(paths), num_threads=2, height=SIZE[0],
+                                width=SIZE[1], resize=p.resize, channel_order=p.channel_order, mean=p.mean, std=p.std,
+                                pad_value=p.pad_value, dtype="float32", layout="NCHW")
+    items = [EncodedImage(ImageRef(i, path), np.fromfile(path, np.uint8)) for i, path in enumerate(paths)]
+    return torch.from_numpy(np.asarray(preprocessor.run(items).images))
 
 
 def letterbox(path: str) -> torch.Tensor:
@@ -487,9 +508,8 @@ def letterbox(path: str) -> torch.Tensor:
     image = Image.open(path).convert("RGB")
     scale = min(SIZE[0] / image.height, SIZE[1] / image.width)
     image = image.resize((round(image.width * scale), round(image.height * scale)), Image.Resampling.BILINEAR)
-    pixels = np.zeros((*SIZE, 3), np.float32)
-    pixels[:image.height, :image.width] = np.asarray(image)
-    pixels = (pixels - [123.675, 116.28, 103.53]) / [58.395, 57.12, 57.375]
+    pixels = np.zeros((*SIZE, 3), np.float32)  # the padding: the mean colour, 0 once normalized
+    pixels[:image.height, :image.width] = (np.asarray(image) - exporter.IMAGENET_MEAN) / exporter.IMAGENET_STD
     return torch.from_numpy(pixels.transpose(2, 0, 1).astype(np.float32))
 
 
