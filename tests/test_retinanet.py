@@ -479,10 +479,10 @@ def test_a_seeded_load_keeps_about_the_detections_asked_for():
     after = exporter.torchvision_detections(seeded, letterboxed, **THRESHOLDS)
     assert sum(len(d["scores"]) for d in before) == 0
     counts = [len(d["scores"]) for d in after]
-    assert 20 <= np.mean(counts) <= 80, counts
+    assert 30 <= np.mean(counts) <= 50, counts  # 40 asked
     assert all(d["labels"].min() > 0 for d in after if len(d["labels"]))  # never the background id
     ours = gpudet_letterbox(photos)
-    assert (ours - letterboxed).abs().mean() < 0.01  # a tenth of a pixel level: the resize filters' rounding
+    assert (ours - letterboxed).abs().mean() < 0.01  # 0.6 of a pixel level (0.1 measured: the filters' rounding)
     through_gpudet = [len(d["scores"]) for d in exporter.torchvision_detections(seeded, ours, **THRESHOLDS)]
     assert abs(np.mean(through_gpudet) - np.mean(counts)) <= 0.1 * np.mean(counts), (through_gpudet, counts)
 
