@@ -4,6 +4,7 @@
     ImageError   an input that could not be processed, with a stable reason
     Detections   a batch's final detections on the host (numpy), rows grouped by image
     ImageResult  one image's detections, what `Detector.run` yields
+    RecordColumns  a batch's detections as every output format records them (grouped, rounded)
 
 Every input ends as exactly one ImageResult (or detections record) or one ImageError.
 """
@@ -11,6 +12,7 @@ Every input ends as exactly one ImageResult (or detections record) or one ImageE
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -113,20 +115,40 @@ def label_name(names: list[str], labels: list[int]) -> list[str]:
     return [names[k] if 0 <= k < len(names) else str(k) for k in labels]
 
 
+class RecordColumns(NamedTuple):
+    """A batch's detections as its records hold them (every output format): the rows of its images
+    grouped by image, best first within; boxes and landmarks to 0.01 px, scores to 1e-5 (np.round:
+    k / 100 for the nearest integer k; JSON prints it short)."""
+
+    per_image: np.ndarray  # int64 [B]: each image's rows, in order
+    boxes: np.ndarray  # float64 [M, 4]
+    scores: np.ndarray  # float64 [M]
+    labels: np.ndarray  # int64 [M]
+    landmarks: np.ndarray | None  # float64 [M, K, 2]
+
+
+def record_columns(detections: Detections, count: int) -> RecordColumns:
+    """The records' columns of images 0..count-1 (rows of images past them are not recorded)."""
+    order = np.argsort(detections.batch_index, kind="stable")  # grouped by image, best first within
+    per_image = np.bincount(detections.batch_index, minlength=count)[:count]
+    order = order[:int(per_image.sum())]
+    return RecordColumns(
+        per_image=per_image, boxes=np.round(detections.boxes_xyxy[order].astype(np.float64), 2),
+        scores=np.round(detections.scores[order].astype(np.float64), 5),
+        labels=detections.labels[order].astype(np.int64),
+        landmarks=None if detections.landmarks is None else np.round(detections.landmarks[order].astype(np.float64), 2))
+
+
 def detection_records(refs: list[ImageRef], orig_hw: np.ndarray, detections: Detections,
                       label_names: list[str]) -> list[dict]:
     """One JSON-ready record per image of a batch, in batch order: what detections.jsonl holds.
     orig_hw: int [B, 2], each image's (height, width). Columns go to Python numbers once per
     batch (`tolist`), not element by element: this runs for every batch."""
-    order = np.argsort(detections.batch_index, kind="stable")  # grouped by image, best first within
-    starts = np.searchsorted(detections.batch_index[order], np.arange(len(refs) + 1)).tolist()
-    # 0.01 px, 1e-5 in score: np.round (k / 100 for the nearest integer k; JSON prints it short)
-    boxes = np.round(detections.boxes_xyxy[order].astype(np.float64), 2).tolist()
-    scores = np.round(detections.scores[order].astype(np.float64), 5).tolist()
-    labels = detections.labels[order].tolist()
+    columns = record_columns(detections, len(refs))
+    starts = np.concatenate([[0], np.cumsum(columns.per_image)]).tolist()
+    boxes, scores, labels = columns.boxes.tolist(), columns.scores.tolist(), columns.labels.tolist()
     names = label_name(label_names, labels)
-    landmarks = None if detections.landmarks is None else \
-        np.round(detections.landmarks[order].astype(np.float64), 2).tolist()
+    landmarks = None if columns.landmarks is None else columns.landmarks.tolist()
     orig_hw = np.asarray(orig_hw).tolist()
     records = []
     for i, ref in enumerate(refs):

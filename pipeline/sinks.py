@@ -40,7 +40,7 @@ import orjson
 
 from ._version import __version__
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, ConfigError, OutputError, OutputWriteError
-from .results import Detections, ImageError, ImageRef, detection_records, label_name
+from .results import Detections, ImageError, ImageRef, detection_records, label_name, record_columns
 
 DETECTIONS = {"jsonl": "detections.jsonl", "parquet": "detections.parquet"}
 """The processed images' file in each output format (--format); JSONL is the default."""
@@ -331,28 +331,24 @@ def detection_lines(refs: list[ImageRef], orig_hw: np.ndarray, detections: Detec
 
 def column_lines(refs: list[ImageRef], orig_hw: np.ndarray, detections: Detections, label_names: list[str]) -> bytes:
     """`detection_lines` a column at a time; TypeError for text that is not UTF-8."""
-    order = np.argsort(detections.batch_index, kind="stable")  # grouped by image, best first within
-    counts = np.bincount(detections.batch_index, minlength=len(refs))[:len(refs)]
+    columns = record_columns(detections, len(refs))
+    counts = columns.per_image
     ends = np.cumsum(counts)
-    m = int(ends[-1]) if len(refs) else 0
-    order = order[:m]  # rows of images past the batch's refs are not written, as in detection_records
-    marks = detections.landmarks
-    close = b"}" if marks is None else b"]]}"
-    pieces = np.empty((m, 9 if marks is None else 11), dtype=object)  # [detection, piece]
+    m = len(columns.scores)
+    close = b"}" if columns.landmarks is None else b"]]}"
+    pieces = np.empty((m, 9 if columns.landmarks is None else 11), dtype=object)  # [detection, piece]
     if m:
-        labels = detections.labels[order].astype(np.int64)
         pieces[:, 0] = b'{"box":['
-        pieces[:, 1] = numpy_json(np.round(detections.boxes_xyxy[order].astype(np.float64), 2))[2:-2].split(b"],[")
+        pieces[:, 1] = numpy_json(columns.boxes)[2:-2].split(b"],[")
         pieces[:, 2] = b'],"score":'
-        pieces[:, 3] = numpy_json(np.round(detections.scores[order].astype(np.float64), 5))[1:-1].split(b",")
+        pieces[:, 3] = numpy_json(columns.scores)[1:-1].split(b",")
         pieces[:, 4] = b',"label":'
-        pieces[:, 5] = numpy_json(labels)[1:-1].split(b",")
+        pieces[:, 5] = numpy_json(columns.labels)[1:-1].split(b",")
         pieces[:, 6] = b',"name":'
-        pieces[:, 7] = names_json(tuple(label_names), labels)
-        if marks is not None:
-            points = np.round(marks[order].astype(np.float64), 2)  # [M, K, 2]
+        pieces[:, 7] = names_json(tuple(label_names), columns.labels)
+        if columns.landmarks is not None:
             pieces[:, 8] = b',"landmarks":[['
-            pieces[:, 9] = numpy_json(points)[3:-3].split(b"]],[[")
+            pieces[:, 9] = numpy_json(columns.landmarks)[3:-3].split(b"]],[[")
         pieces[:, -1] = close + b","
         pieces[ends[counts > 0] - 1, -1] = close + b"]"  # each image's last detection
         pieces[ends[counts > 0] - counts[counts > 0], 0] = b'[{"box":['  # and its first
@@ -389,24 +385,20 @@ def numpy_json(values: np.ndarray) -> bytes:
 
 def detection_table(refs: list[ImageRef], orig_hw: np.ndarray, detections: Detections, label_names: list[str]):
     """A batch's rows for detections.parquet, built from the arrays without a Python object per
-    detection: the fields and values of `detection_records` (boxes rounded to 0.01 px, scores to
-    1e-5), the detections of an image as a list of structs, best first."""
+    detection: the fields and values of `detection_records` (`record_columns`), the detections of
+    an image as a list of structs, best first."""
     import pyarrow as pa
 
-    order = np.argsort(detections.batch_index, kind="stable")  # grouped by image, best first within
-    per_image = np.bincount(detections.batch_index, minlength=len(refs))[:len(refs)]
-    m = len(order)
-    labels = detections.labels[order].astype(np.int64)
-    label_values, label_rows = np.unique(labels, return_inverse=True)
+    columns = record_columns(detections, len(refs))
+    label_values, label_rows = np.unique(columns.labels, return_inverse=True)
     names = pa.array(label_name(label_names, label_values.tolist()), pa.string()).take(pa.array(label_rows.ravel()))
-    fields = {"box": pairs_of(np.round(detections.boxes_xyxy[order].astype(np.float64), 2), 4),
-              "score": pa.array(np.round(detections.scores[order].astype(np.float64), 5)),
-              "label": pa.array(labels), "name": names}
-    if detections.landmarks is not None:
-        points = np.round(detections.landmarks[order].astype(np.float64), 2)  # [M, K, 2]
-        fields["landmarks"] = nested_list(pairs_of(points.reshape(-1, 2), 2), m, points.shape[1])
+    fields = {"box": pairs_of(columns.boxes, 4), "score": pa.array(columns.scores), "label": pa.array(columns.labels),
+              "name": names}
+    if columns.landmarks is not None:
+        points = columns.landmarks  # [M, K, 2]
+        fields["landmarks"] = nested_list(pairs_of(points.reshape(-1, 2), 2), len(points), points.shape[1])
     items = pa.StructArray.from_arrays(list(fields.values()), names=list(fields))
-    offsets = np.concatenate([[0], np.cumsum(per_image)]).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(columns.per_image)]).astype(np.int32)
     hw = np.asarray(orig_hw, np.int64)[:len(refs)]  # [B, 2] (height, width); a batch may hold more rows
     return pa.table({"index": pa.array([r.index for r in refs], pa.int64()),
                      "path": pa.array([text_path(r.path) for r in refs], pa.string()),
