@@ -140,7 +140,8 @@ def ray_table() -> str:
 
 
 def formats_table() -> str:
-    rn = load("retinanet_formats")["results"]
+    report = load("retinanet_formats")
+    rn = report["results"]
     lines = ["| model, load | tree | JSONL: img/s (writing) | Parquet: img/s (writing) | Parquet / JSONL |",
              "| --- | --- | --- | --- | --- |"]
 
@@ -152,15 +153,14 @@ def formats_table() -> str:
                         ("RetinaNet, the seeded load", "gpudet"),
                         ("RetinaNet, the heavy-NMS bound", "gpudet, heavy-NMS bound (score 0: 300 per image)")):
         j, q = rn[name], rn[f"{name}, --format parquet"]
-        lines.append(line(f"{label}: {j['detections_per_image']:g} per image", load("retinanet_formats")["tree"]["commit"],
+        lines.append(line(f"{label}: {j['detections_per_image']:g} per image", report["tree"]["commit"],
                           (j["images_per_s"], j["stages_s"]["write"]), (q["images_per_s"], q["stages_s"]["write"])))
     for suffix in ("", "_2"):
         j, q = load(f"ray_106288_one_process{suffix}"), load(f"ray_106288_one_process_parquet{suffix}")
         lines.append(line(f"RetinaFace, the default: {j['detections'] / j['processed']:.2f} per image, "
                           f"{num(j['processed'])} images", j["tree"]["commit"], (j["images_per_s"], j["seconds"]["write"]),
                           (q["images_per_s"], q["seconds"]["write"])))
-    r = load("retinanet_formats")
-    lines += ["", f"RetinaNet: `{shorten(r['command'])}` (2,000 images, batch 16, 800x800, fp16 heads; one detector "
+    lines += ["", f"RetinaNet: `{shorten(report['command'])}` (2,000 images, batch 16, 800x800, fp16 heads; one detector "
               "per load, one pass in each format, side by side). RetinaFace: `gpudet detect` over the 106,288 images "
               "(scripts/gpu_check.sh ray), images/s after setup. Writing: the seconds the loop spent in "
               "`OutputFolder.record` (building and writing the records)."]
