@@ -134,6 +134,8 @@ def gpudet_passes(refs: list[ImageRef], detector: Detector, passes: int = 1, *, 
                 for batch, found in detector.stream(refs, folder.fail, clock=clock):
                     with clock("write"):
                         folder.record(batch, found, detector.labels)
+                with clock("write"):  # Parquet: the rows held since its last file
+                    folder.flush()
             seconds = time.perf_counter() - start
             failed = list(read_complete_records(folder.files[1]))
         t = folder.tally

@@ -59,9 +59,11 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, s
 
         try:
             for batch, found in detector.stream(todo, failed, clock=clock):  # the data path
-                with clock("write"):  # sinks: one JSONL record per image
+                with clock("write"):  # sinks: one record per image
                     folder.record(batch, found, detector.labels)
                 bar.update(len(batch.refs))
+            with clock("write"):  # Parquet: the rows held since its last file
+                folder.flush()
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was written stays; --resume continues
             folder.tally.interrupted = True
     if folder.shards:  # an earlier --devices or --ray run's records, counted as done by begin

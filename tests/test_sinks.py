@@ -7,6 +7,7 @@ import os
 import resource
 import shutil
 import sys
+import time
 from types import SimpleNamespace
 from unittest import mock
 
@@ -65,6 +66,27 @@ def test_parquet_holds_the_jsonl_records_and_resumes_over_them(tmp_path, device)
                   device=device) == 3
     assert json.loads((tmp_path / "parquet" / "summary.json").read_text())["already_done"] == 8
     assert read_results(tmp_path / "parquet") == parquet
+
+
+def test_the_write_stage_counts_the_last_parquet_file(tmp_path, monkeypatch):
+    """Parquet holds rows until a file is due: the file written as the loop ends is part of the
+    write stage that `gpudet detect` and `gpudet bench` report, not time that no stage shows."""
+    write_file = ParquetWriter.flush
+
+    def slow(self):
+        if self._rows:
+            time.sleep(0.3)
+        write_file(self)
+
+    monkeypatch.setattr(ParquetWriter, "flush", slow)
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"{photo}\n" for photo in PHOTOS))
+    assert detect(listing, "--out", tmp_path / "out", "--format", "parquet") == 0
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["seconds"]["write"] >= 0.3
+    report = tmp_path / "bench.json"
+    assert main(["bench", str(listing), "--device", "cpu", "--batch-size", "2", "--iterations", "1", "--skip-naive",
+                 "--format", "parquet", "--json", str(report)]) == 0
+    assert json.loads(report.read_text())["gpudet_stages_s"]["write"] >= 0.3
 
 
 def test_pandas_and_duckdb_read_the_parquet_folder(tmp_path):
