@@ -38,7 +38,7 @@ from .engine import SCALAR_INPUTS
 from .preprocess import Preprocessor, preprocess_stream
 from .results import ImageError, ImageRef
 from .errors import SourceError
-from .sinks import OutputFolder, read_complete_records
+from .sinks import OutputFolder, pyarrow_parquet, read_complete_records
 from .source import EncodedImage, list_images, read_checked
 from .timing import StageClock, process_seconds
 
@@ -124,6 +124,8 @@ def gpudet_passes(refs: list[ImageRef], detector: Detector, passes: int = 1, *, 
     fails stops the benchmark."""
     if warm_up:
         list(detector.stream(refs[:detector.batch_size], lambda errors: None))
+    if output_format == "parquet":  # pyarrow's import, once per process: not the first pass's
+        pyarrow_parquet()
     runs = []
     for _ in range(passes):
         clock = StageClock()

@@ -161,12 +161,16 @@ class JsonlWriter:
 
 
 def pyarrow_parquet():
-    """pyarrow.parquet, or a ConfigError saying how to install it."""
+    """pyarrow.parquet, or a ConfigError saying how to install it. Loaded with what pyarrow loads
+    on its first array from numpy (pandas, where installed: a quarter of a second), so that an
+    output folder pays it as it opens, not in the loop's first file."""
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise ConfigError("Parquet (--format parquet, a detections.parquet folder) needs pyarrow: pip install "
                           "'gpudet[parquet]' (or pyarrow)") from None
+    pa.array(np.zeros(1))  # microseconds once loaded
     return pq
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import resource
 import shutil
+import subprocess
 import sys
 import time
 from types import SimpleNamespace
@@ -343,3 +344,26 @@ def test_an_interrupted_run_keeps_what_it_recorded_in_either_format(tmp_path, ou
     monkeypatch.setattr(Detector, "stream", stream)
     assert detect(SAMPLES, "--out", out, "--format", output_format, "--resume") == 0
     assert [r["index"] for r in read_results(out)] == list(range(6))
+
+
+def test_a_parquet_folder_loads_pyarrow_as_it_opens_not_in_the_first_file(tmp_path):
+    """What pyarrow loads on first use (pandas, where installed) is paid when the output folder
+    opens, before the loop's clock, not in the loop's first file (a clean interpreter: the tests
+    before this one have loaded it)."""
+    code = f"""
+import sys
+import numpy as np
+from types import SimpleNamespace
+from pipeline.results import Detections, ImageRef
+from pipeline.sinks import OutputFolder
+with OutputFolder({str(tmp_path / "out")!r}, output_format="parquet") as folder, folder.writing():
+    loaded = set(sys.modules)
+    batch = SimpleNamespace(refs=[ImageRef(0, "a.jpg")], orig_hw=np.array([[480, 640]]))
+    found = Detections(batch_index=np.zeros(1, np.int64), boxes_xyxy=np.ones((1, 4), np.float32),
+                       scores=np.ones(1, np.float32), labels=np.zeros(1, np.int64), landmarks=None)
+    folder.record(batch, found, ["face"])
+    folder.flush()
+print(sorted({{m.split(".")[0] for m in set(sys.modules) - loaded}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", f"loaded in the loop: {out}"
