@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -31,6 +32,7 @@ def num(value: float, digits: int = 0) -> str:
 def retinaface_table() -> str:
     rows = [("the default, `retinaface_mnet025.yaml`", "retinaface_default"),
             ("the default, again on a later tree (one pass)", "retinaface_default_2"),
+            ("the default, again on a later tree", "retinaface_default_3"),
             ("the default with `postprocess.compile=true`", "retinaface_default_compiled"),
             ("`retinaface_mnet025_e2e.yaml` (NMS in the ONNX graph)", "retinaface_e2e"),
             ("before: its default (the end-to-end model)", "before_retinaface_default"),
@@ -56,7 +58,7 @@ def retinaface_table() -> str:
     return "\n".join(lines)
 
 
-DETECT_RUNS = ("detect_106288_default", "detect_106288_default_2")
+DETECT_RUNS = ("detect_106288_default", "detect_106288_default_2", "detect_106288_default_3")
 """The default command over 106,288 images, oldest first: the last is the README's."""
 
 
@@ -75,8 +77,20 @@ def detect_table() -> str:
         "the same machine session (`scripts/gpu_check.sh retinaface`)."])
 
 
+RETINANET = "retinanet_seeded_load"
+"""bench_retinanet.py's report that the RetinaNet table and the README's row show."""
+
+RETINANET_BENCH_RUNS = (  # (label, report): `gpudet bench` on bench_retinanet.py's model files
+    ("before", "before_retinanet_gpudet_bench"), ("now", "retinanet_gpudet_bench"),
+    ("`preprocess.hw_decoder_load=0.9` (the default)", "retinanet_bench_hw_decoder_0.9"),
+    ("`preprocess.hw_decoder_load=1.0`", "retinanet_bench_hw_decoder_1.0"),
+    ("`preprocess.hw_decoder_load=0.5`", "retinanet_bench_hw_decoder_0.5"),
+    ("`run.prefetch_batches=1`", "retinanet_bench_prefetch_1"),
+    ("`preprocess.hw_decoder_load=1.0`, again", "retinanet_bench_hw_decoder_1.0_2"))
+
+
 def retinanet_table() -> str:
-    r = load("retinanet_light_load")
+    r = load(RETINANET)
     lines = ["| what | img/s | detections per image on the host | setup | wall clock |", "| --- | --- | --- | --- | --- |"]
     for name, row in r["results"].items():
         lines.append(f"| {name} | **{num(row['images_per_s'], 1)}** | {row.get('detections_per_image', '')} | "
@@ -89,13 +103,19 @@ def retinanet_table() -> str:
               f"Command: `{shorten(r['command'])}`. The seeded load (class bias shifted by {r['class_bias_shift']}) "
               f"asked about {r['detections_per_image_asked']} detections per image on the first 8 images; over the "
               "2,000 it gave the counts above."]
-    before, now = load("before_retinanet_gpudet_bench"), load("retinanet_gpudet_bench")
-    lines += ["", "| `gpudet bench`, the same model file, `postprocess.compile=false` | tree | gpudet img/s (passes) | "
-              "ORT alone |", "| --- | --- | --- | --- |"]
-    for label, r in (("before", before), ("now", now)):
-        lines.append(f"| {label} | {r['tree']['commit']} | {num(r['images_per_s']['gpudet'], 1)} "
-                     f"({', '.join(num(p, 1) for p in r['gpudet_passes_images_per_s'])}) | "
-                     f"{num(r['images_per_s']['model'], 1)} |")
+    lines += ["", "| `gpudet bench`, `postprocess.compile=false` | tree | detections per image | gpudet img/s (passes) | "
+              "ORT alone | gpudet / ORT alone | DALI alone | GPU busy |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for label, name in RETINANET_BENCH_RUNS:
+        r = load(name)
+        rates = r["images_per_s"]
+        lines.append(f"| {label} | {r['tree']['commit']} | {r.get('detections_per_image', 'not reported')} | "
+                     f"{num(rates['gpudet'], 1)} ({', '.join(num(p, 1) for p in r['gpudet_passes_images_per_s'])}) | "
+                     f"{num(rates['model'], 1)} | {rates['gpudet'] / rates['model']:.2f}x | {num(rates['preprocess'])} | "
+                     f"{r['gpudet_stages_s']['gpu_utilisation_percent']:.0f}% |")
+    r = load(RETINANET_BENCH_RUNS[-1][1])
+    lines += ["", f"Command: `{shorten(r['command'])}` (`--set` as the row says), 2,000 images; the first two rows "
+              "on the seeded-load file of the run before the padding fix (its load: 12 per image through gpudet), "
+              f"the others on the file of the run above ({r['date'][:10]})."]
     return "\n".join(lines)
 
 
@@ -118,7 +138,19 @@ RAY_RUNS = (  # (label, report, where the Ray rate starts), each machine session
     ("`--ray --workers 1`, two calls at once per actor (the default)", "ray_106288_workers_1_2", "first image"),
     ("one process, `--format parquet`", "ray_106288_one_process_parquet_2", ""),
     ("`--ray --workers 1 --format parquet`, two calls at once per actor", "ray_106288_workers_1_parquet_2",
-     "first image"))
+     "first image"),
+    ("one process", "ray_106288_one_process_3", ""), ("`--ray --workers 1`", "ray_106288_workers_1_3", "first image"),
+    ("one process", "ray_106288_one_process_4", ""), ("`--ray --workers 1`", "ray_106288_workers_1_4", "first image"),
+    ("one process, `--format parquet`", "ray_106288_one_process_parquet_3", ""),
+    ("`--ray --workers 1 --format parquet`", "ray_106288_workers_1_parquet_3", "first image"),
+    ("`--ray --workers 1`", "ray_106288_workers_1_5", "first image"), ("one process", "ray_106288_one_process_5", ""),
+    ("`--ray --workers 1`", "ray_106288_workers_1_6", "first image"), ("one process", "ray_106288_one_process_6", ""),
+    ("`--ray --workers 1`", "ray_106288_workers_1_7", "first image"), ("one process", "ray_106288_one_process_7", ""))
+
+RAY_PAIRS = (("ray_106288_workers_1_3", "ray_106288_one_process_3"), ("ray_106288_workers_1_4", "ray_106288_one_process_4"),
+             ("ray_106288_workers_1_5", "ray_106288_one_process_5"), ("ray_106288_workers_1_6", "ray_106288_one_process_6"),
+             ("ray_106288_workers_1_7", "ray_106288_one_process_7"))
+"""The latest machine session's JSONL runs: each Ray run and the one-process run next to it."""
 
 
 def ray_table() -> str:
@@ -136,12 +168,13 @@ def ray_table() -> str:
               "comes a whole Ray batch after the actor started) or from the first image an actor took (\"first "
               "image\"), to the last row; wall clock from the start of the run (Ray's start included, the "
               "imports not)."]
+    ratios = [load(ray)["images_per_s"] / load(one)["images_per_s"] for ray, one in RAY_PAIRS]
+    lines += ["", f"Tree {load(RAY_PAIRS[0][0])['tree']['commit']}'s JSONL pairs, Ray's rate over the one process's next "
+              f"to it: {', '.join(f'{x:.3f}' for x in ratios)}; median **{statistics.median(ratios):.3f}x**."]
     return "\n".join(lines)
 
 
 def formats_table() -> str:
-    report = load("retinanet_formats")
-    rn = report["results"]
     lines = ["| model, load | tree | JSONL: img/s (writing) | Parquet: img/s (writing) | Parquet / JSONL |",
              "| --- | --- | --- | --- | --- |"]
 
@@ -149,13 +182,15 @@ def formats_table() -> str:
         return (f"| {label} | {tree} | {num(jsonl[0])} ({jsonl[1]:.2f} s) | {num(parquet[0])} ({parquet[1]:.2f} s) | "
                 f"{parquet[0] / jsonl[0]:.2f}x |")
 
-    for label, name in (("RetinaNet, the zero-load bound", "gpudet, zero-load bound (no detection survives)"),
-                        ("RetinaNet, the seeded load", "gpudet"),
-                        ("RetinaNet, the heavy-NMS bound", "gpudet, heavy-NMS bound (score 0: 300 per image)")):
-        j, q = rn[name], rn[f"{name}, --format parquet"]
-        lines.append(line(f"{label}: {j['detections_per_image']:g} per image", report["tree"]["commit"],
-                          (j["images_per_s"], j["stages_s"]["write"]), (q["images_per_s"], q["stages_s"]["write"])))
-    for suffix in ("", "_2"):
+    for report in map(load, ("retinanet_formats", "retinanet_formats_2")):
+        rn = report["results"]
+        for label, name in (("RetinaNet, the zero-load bound", "gpudet, zero-load bound (no detection survives)"),
+                            ("RetinaNet, the seeded load", "gpudet"),
+                            ("RetinaNet, the heavy-NMS bound", "gpudet, heavy-NMS bound (score 0: 300 per image)")):
+            j, q = rn[name], rn[f"{name}, --format parquet"]
+            lines.append(line(f"{label}: {j['detections_per_image']:g} per image", report["tree"]["commit"],
+                              (j["images_per_s"], j["stages_s"]["write"]), (q["images_per_s"], q["stages_s"]["write"])))
+    for suffix in ("", "_2", "_3"):
         j, q = load(f"ray_106288_one_process{suffix}"), load(f"ray_106288_one_process_parquet{suffix}")
         lines.append(line(f"RetinaFace, the default: {j['detections'] / j['processed']:.2f} per image, "
                           f"{num(j['processed'])} images", j["tree"]["commit"], (j["images_per_s"], j["seconds"]["write"]),
@@ -163,13 +198,13 @@ def formats_table() -> str:
     lines += ["", f"RetinaNet: `{shorten(report['command'])}` (2,000 images, batch 16, 800x800, fp16 heads; one detector "
               "per load, one pass in each format, side by side). RetinaFace: `gpudet detect` over the 106,288 images "
               "(scripts/gpu_check.sh ray), images/s after setup. Writing: the seconds the loop spent in "
-              "`OutputFolder.record` (building and writing the records)."]
+              "`OutputFolder.record` (building and writing the records) and, from f217617, the last Parquet file's write."]
     return "\n".join(lines)
 
 
 def speed_table() -> str:
     default, e2e, before = load("retinaface_default"), load("retinaface_e2e"), load("before_retinaface_default")
-    detect, rn = load(DETECT_RUNS[-1]), load("retinanet_light_load")
+    detect, rn = load(DETECT_RUNS[-1]), load(RETINANET)
     gpudet = rn["results"]["gpudet"]
     return "\n".join([
         "| what, on one H200 | gpudet | against |", "| --- | --- | --- |",
@@ -180,6 +215,7 @@ def speed_table() -> str:
         f"{num(e2e['images_per_s']['gpudet'])}); {default['ratios']['gpudet / naive']:.0f}x the naive loop |",
         f"| RetinaNet R50-FPN fp16 800x800, batch 16, {gpudet['detections_per_image']} detections per image | "
         f"{num(gpudet['images_per_s'])} img/s | {rn['ratios']['gpudet / ort alone']:.2f}x ORT alone, "
+        f"{rn['ratios']['gpudet / pytorch strong']:.1f}x the strong PyTorch pipeline, "
         f"{rn['ratios']['gpudet / pytorch usual']:.1f}x the usual PyTorch pipeline, "
         f"{rn['ratios']['gpudet / naive']:.0f}x the naive loop |"])
 
