@@ -17,6 +17,7 @@ Workers need gpudet installed (the same version) and the images at the same path
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import queue
@@ -243,11 +244,10 @@ def stream(ray, todo: list[ImageRef], config: Config, output_format: str, shards
     detected = dataset.map_batches(DetectActor, fn_constructor_kwargs={"config": config, "shards": str(shards),
                                                                        "output_format": output_format},
                                    batch_size=ray_batch(config.run.batch_size, len(todo), workers),
-                                   compute=ray.data.ActorPoolStrategy(size=workers),
                                    # Two calls at once per actor: the next Ray batch is queued on the
                                    # stream before the last one's images are all recorded, so the
                                    # pipeline never drains between them (Ray Data's default is one).
-                                   max_concurrency=2,
+                                   **actor_pool(ray, workers, calls=2),
                                    num_gpus=gpus, num_cpus=1, batch_format="numpy")
     first, last = math.inf, None
     with tqdm(total=len(todo), unit="img", disable=progress is None, file=progress, dynamic_ncols=True) as bar:
@@ -258,10 +258,30 @@ def stream(ray, todo: list[ImageRef], config: Config, output_format: str, shards
     return max(0.0, last - first) if last is not None else 0.0  # the actors' clocks are their nodes'; one here
 
 
+def actor_pool(ray, workers: int, calls: int) -> dict:
+    """map_batches' arguments for `workers` actors taking `calls` calls at once each: the pool's
+    own max_concurrent_calls_per_actor where this Ray has it (the actor's max_concurrency as a
+    remote argument is deprecated from Ray 2.60), else that remote argument."""
+    strategy = ray.data.ActorPoolStrategy
+    if "max_concurrent_calls_per_actor" in inspect.signature(strategy).parameters:
+        return {"compute": strategy(size=workers, max_concurrent_calls_per_actor=calls)}
+    return {"compute": strategy(size=workers), "max_concurrency": calls}
+
+
+RAY_NOTICES = re.compile(r"Token authentication is enabled for this Ray cluster|"
+                         r"has constructor arguments in the object store and max_restarts > 0")
+"""What Ray prints on every run about its own defaults, not about this job, logged at info: the
+local cluster's token authentication, and Ray Data's actor pool keeping its actors' constructor
+arguments in the object store (ray-project/ray#53727: should a restarted actor not get them, its
+batches fail, and the job ends saying to run it again with --resume)."""
+
+
 def ray_level(line: str) -> int:
     """The level a line Ray wrote to stderr is logged at by gpudet: Ray's info as debug, its warnings
     (advice about its own settings, which gpudet chose) as info, its errors and anything else as
     warnings. Python's lines carry "\tLEVEL ", the C++ core's "[date time L pid tid]"."""
+    if RAY_NOTICES.search(line):
+        return logging.INFO
     python = re.search(r"\t(DEBUG|INFO|WARNING|ERROR|CRITICAL) ", line)
     core = re.match(r"\[[^]]* ([DIWEF]) \d+ \d+\]", line)
     level = python.group(1)[0] if python else core.group(1) if core else "?"

@@ -210,8 +210,12 @@ def test_ray_usage_errors_are_one_line(tmp_path):
 def test_progress_is_a_bar_on_stderr_not_a_warning_from_ray(tmp_path):
     run = ray_run(SAMPLES, "--out", tmp_path / "o", "--ray", "--workers", "1", "--device", "cpu", "--progress")
     assert run.returncode == 0, run.stderr[-3000:]
-    bar = [line for line in run.stderr.replace("\r", "\n").splitlines() if "6/6" in line]
+    lines = run.stderr.replace("\r", "\n").splitlines()
+    bar = [line for line in lines if "6/6" in line]
     assert bar and not any(line.startswith("gpudet:") for line in bar), run.stderr[-3000:]
+    # A run that goes well warns about nothing: Ray's notices about its own defaults, and how
+    # gpudet calls Ray Data (no deprecated argument), stay below the default level.
+    assert [line for line in lines if line.startswith(("gpudet: WARNING", "gpudet: ERROR"))] == [], run.stderr[-3000:]
 
 
 def test_rays_own_lines_are_logged_at_their_level():
@@ -222,6 +226,10 @@ def test_rays_own_lines_are_logged_at_their_level():
     assert ray_level("2026-12-01 12:24:57,049\tWARNING __init__.py:28 -- Progress bars disabled.") == logging.INFO
     assert ray_level("2026-12-01 12:24:57,049\tINFO worker.py:1 -- Started a local Ray instance.") == logging.DEBUG
     assert ray_level("[2026-12-01 12:24:57,048 E 1181 1181] core_worker.cc:2465: Actor ...") == logging.WARNING
+    assert ray_level("[2026-12-01 12:24:57,048 E 1181 1181] core_worker.cc:2465: Actor with class name: 'M' and "
+                     "ID: '08' has constructor arguments in the object store and max_restarts > 0. If ...") == logging.INFO
+    assert ray_level("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt "
+                     "out.") == logging.INFO
     assert ray_level("[2026-12-01 12:24:57,048 W 1181 1181] gcs_client.cc:1: slow") == logging.INFO
     assert ray_level("Traceback (most recent call last):") == logging.WARNING
 
