@@ -170,6 +170,15 @@ class Config:
         d.pop("source_file")
         return d
 
+    def result_settings(self) -> dict[str, Any]:
+        """What decides the records, not how fast they come or which images are refused: the
+        model keys, the image as the model sees it, the thresholds. A --resume goes on only with
+        the same, so that one folder's records come from one detector."""
+        d = json.loads(json.dumps(self.to_dict()))  # tuples as the lists a JSON file gives back
+        seen = ("size", "resize", "channel_order", "mean", "std", "pad_value")
+        return {"model": d["model"], "preprocess": {k: d["preprocess"][k] for k in seen},
+                "postprocess": {k: v for k, v in d["postprocess"].items() if k != "compile"}}
+
     def validate(self) -> None:
         def need(ok: bool, key: str, message: str) -> None:
             if not ok:

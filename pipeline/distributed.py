@@ -168,7 +168,7 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
         started_at, started = datetime.now(timezone.utc), time.perf_counter()
         shards = folder.path / SHARDS
         refs = list_images(source, root=root)
-        todo = folder.begin(refs)
+        todo = folder.begin(refs, config.result_settings())
         failure, streaming, gpus = None, 0.0, gpus_per_worker
         if todo:
             try:

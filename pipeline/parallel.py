@@ -124,7 +124,7 @@ def _run_on_devices(folder: OutputFolder, source: str, config: Config, devices: 
                     progress: bool | None) -> RunResult:
     started_at, started = datetime.now(timezone.utc), time.perf_counter()
     refs = list_images(source, root=root)
-    todo = folder.begin(refs)
+    todo = folder.begin(refs, config.result_settings())
     shards = [folder.path / SHARDS / str(k) for k in range(len(devices))]
     context = multiprocessing.get_context("spawn")
 

@@ -493,6 +493,15 @@ def fsync_folder(path: Path) -> None:
         os.close(fd)
 
 
+def setting_changes(before: dict, now: dict) -> list[str]:
+    """Each key of two result_settings that differs: "section.key: was X, now Y"."""
+    return [f"{section}.{key}: was {json.dumps(old)}, now {json.dumps(now.get(section, {}).get(key))}"
+            for section, values in before.items() for key, old in values.items()
+            if now.get(section, {}).get(key) != old] + \
+        [f"{section}.{key}: new, {json.dumps(value)}" for section, values in now.items() for key, value in values.items()
+         if key not in before.get(section, {})]
+
+
 def write_json_atomic(path: Path, value: Any) -> None:
     """Written beside `path`, then renamed over it: a reader sees the old file or the new one."""
     tmp = path.with_name(path.name + ".tmp")
@@ -547,8 +556,11 @@ class OutputFolder:
     and count them in `tally`. Use as a context manager."""
 
     LOCK = ".gpudet.lock"
+    SETTINGS = "settings.json"
+    """The settings that decide this folder's records (Config.result_settings), as its first run
+    had them: --resume with others is refused."""
     FILES = (*DETECTIONS.values(), ERRORS, "summary.json", "summary.json.tmp", "detections.jsonl.tmp",
-             ERRORS + ".tmp")
+             ERRORS + ".tmp", SETTINGS, SETTINGS + ".tmp")
 
     def __init__(self, path: str | Path, *, output_format: str = "jsonl", resume: bool = False,
                  overwrite: bool = False, retry_failed: bool = False, flush_s: float = ParquetWriter.FLUSH_S):
@@ -607,9 +619,10 @@ class OutputFolder:
         folder = self.path / SHARDS
         return sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()) if folder.is_dir() else []
 
-    def begin(self, refs: list[ImageRef]) -> list[ImageRef]:
+    def begin(self, refs: list[ImageRef], settings: dict | None = None) -> list[ImageRef]:
         """Start a run over `refs`: the images it must process. A run refused here (results without
-        --resume, another format, another source) changes nothing; once it is accepted the earlier
+        --resume, another format, another source, other `settings`: Config.result_settings, kept
+        in settings.json by the run that started the folder's records) changes nothing; once it is accepted the earlier
         run's summary.json goes, before anything is written, so that a summary always describes
         the run that wrote it, whatever stops this one.
         Records in the shards count as this folder's; --overwrite removes them with the files (of
@@ -640,9 +653,18 @@ class OutputFolder:
         if existing and not self.resume:
             raise OutputError(f"{existing[0]} already holds results; pass --resume to process only the images "
                               "not yet recorded there, or --overwrite to start again")
+        kept = self.path / self.SETTINGS
+        if existing and settings is not None and kept.is_file():
+            changed = setting_changes(json.loads(kept.read_text()), settings)
+            if changed:
+                raise OutputError(f"--resume: the records in {self.path} were made with other settings "
+                                  f"({'; '.join(changed[:3])}{'; ...' if len(changed) > 3 else ''}); give the same "
+                                  "--config, --model and --set to continue them, or --overwrite to start again")
         processed, failed = recorded(existing, refs)
         failed -= processed
         (self.path / "summary.json").unlink(missing_ok=True)  # accepted: the old summary is no longer this folder's
+        if settings is not None and not (existing and kept.is_file()):
+            write_json_atomic(kept, settings)
         if self.retry_failed:  # checked to be this source's above; processed again from here
             for path in existing:
                 if path.name == ERRORS:

@@ -247,6 +247,29 @@ def test_resume_refuses_results_of_another_source(tmp_path):
     assert len(read_jsonl(out / "detections.jsonl")) == 6
 
 
+def test_resume_refuses_other_settings_so_a_folder_holds_one_detectors_records(tmp_path, capsys):
+    """A --resume with another model or threshold would write records of two detectors into one
+    folder: refused in one line naming what changed. Settings that do not decide the records
+    (the batch size) may change; --overwrite starts again with the new ones."""
+    out = tmp_path / "out"
+    run = ["detect", str(SAMPLES), "--out", str(out), "--device", "cpu", "--quiet"]
+    assert main([*run, "--batch-size", "4"]) == 0
+    written = (out / "detections.jsonl").read_bytes()
+    (out / "detections.jsonl").write_bytes(b"".join(written.splitlines(keepends=True)[:2]))  # a run cut short
+    capsys.readouterr()
+    assert main([*run, "--resume", "--set", "postprocess.score_threshold=0.05", "--model",
+                 "retinaface_mnet025_heads_640.onnx"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "postprocess.score_threshold: was 0.9, now 0.05" in err, err
+    assert 'model.path: was "retinaface_mnet025_heads_640_fp16_nhwc.onnx", now "retinaface_mnet025_heads_640.onnx"' in err
+    assert len(read_jsonl(out / "detections.jsonl")) == 2  # refused: nothing written
+    assert main([*run, "--resume", "--batch-size", "2"]) == 0
+    assert (out / "detections.jsonl").read_bytes() == written
+    assert main([*run, "--overwrite", "--set", "postprocess.score_threshold=0.5"]) == 0
+    assert json.loads((out / "settings.json").read_text())["postprocess"]["score_threshold"] == 0.5
+    assert main([*run, "--resume", "--set", "postprocess.score_threshold=0.5"]) == 0
+
+
 def rss_mib(pid: int) -> float | None:
     """Resident memory, or None once the process has exited (a zombie has no VmRSS)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
