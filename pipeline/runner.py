@@ -11,12 +11,11 @@ import logging
 import re
 import sys
 import time
-from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 
 from .config import Config
-from .errors import stderr_into_log, structured_log
+from .errors import stderr_into_log
 from .detector import Detector
 from .results import ImageError, ImageRef
 from .sinks import OutputFolder, RunResult
@@ -48,10 +47,10 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, s
     setup_s = time.perf_counter() - t0
     clock = StageClock()
     show = sys.stderr.isatty() if progress is None else progress
-    # --log-json, --quiet: the decoders' complaints about a bad file (errors.jsonl names it) go
-    # through the log at debug, not onto stderr between gpudet's lines.
-    messages = stderr_into_log("decoder", decoder_level) if structured_log() else nullcontext(sys.stderr)
-    with messages as stderr, folder.writing(), \
+    # What libraries print meanwhile goes through the log; the decoders' complaints about a bad file
+    # (lines that name no file; errors.jsonl names it) at debug, not onto stderr: a JPEG cut short
+    # prints a line per row it misses.
+    with stderr_into_log("library", decoder_level) as stderr, folder.writing(), \
             tqdm(total=len(todo), unit="img", disable=not show, file=stderr, dynamic_ncols=True) as bar:
         def failed(errors: list[ImageError]) -> None:
             folder.fail(errors)
@@ -82,7 +81,8 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, s
     return RunResult(summary, folder.tally.exit_code)
 
 
-DECODER_NOISE = re.compile(r"libjpeg|libpng|jpeg_parser|Corrupt JPEG|Premature end of JPEG|JPEG datastream|_decoder\]")
+DECODER_NOISE = re.compile(r"libjpeg|libpng|jpeg_parser|Corrupt JPEG|Premature end of JPEG|JPEG datastream|"
+                           r"Unsupported marker|_decoder\]")
 
 
 def decoder_level(line: str) -> int:

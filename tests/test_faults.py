@@ -278,14 +278,17 @@ def test_a_listed_path_resolves_as_pathlib_would(base, text):
 
 
 def test_log_json_holds_with_corrupt_images_in_the_list(tmp_path):
-    """The decoders print their complaints about a truncated file to stderr; with --log-json (and
-    --quiet) stderr holds only gpudet's log, one JSON object a line, and errors.jsonl names the files."""
+    """The decoders print their complaints about a truncated file to stderr, a line per row it
+    misses, naming no file: gpudet logs them at debug, so stderr holds only gpudet's own lines (with
+    --log-json one JSON object a line), and errors.jsonl names the files."""
     data = (SAMPLES / "grace_hopper.jpg").read_bytes()
     (tmp_path / "cut.jpg").write_bytes(data[:len(data) // 2])
     listing = tmp_path / "list.txt"
     listing.write_text(f"{tmp_path / 'cut.jpg'}\n{SAMPLES / 'china.jpg'}\n")
-    plain = gpudet("detect", listing, "--out", tmp_path / "plain", "--device", "cpu", "--log-level", "INFO")
-    assert plain.returncode == 3 and "libjpeg" in plain.stderr  # the decoders do complain
+    debug = gpudet("detect", listing, "--out", tmp_path / "debug", "--device", "cpu", "--log-level", "DEBUG")
+    assert debug.returncode == 3 and "DEBUG: library: " in debug.stderr and "libjpeg" in debug.stderr  # they complain
+    plain = gpudet("detect", listing, "--out", tmp_path / "plain", "--device", "cpu")  # the default: not a line of it
+    assert plain.returncode == 3 and "libjpeg" not in plain.stderr and "library" not in plain.stderr, plain.stderr
     run = gpudet("detect", listing, "--out", tmp_path / "o", "--device", "cpu", "--log-json", "--log-level", "INFO")
     assert run.returncode == 3, run.stderr[-2000:]
     entries = [json.loads(line) for line in run.stderr.splitlines()]
