@@ -11,6 +11,7 @@ import logging
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from ._version import __version__
 from .errors import EXIT_OK, EXIT_SOME_FAILED, ConfigError, catch_signals, guarded, setup_logging, signals_held
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = commands.add_parser("inspect", parents=[common], help="inputs, outputs, contract and Memcpy "
                                                                     "nodes of an ONNX model")
-    inspect.add_argument("model", help="ONNX model file")
+    inspect.add_argument("model", help="ONNX model file, or the name of one in gpudet's models/")
     inspect.add_argument("--size", type=int, nargs=2, default=(640, 640), metavar=("HEIGHT", "WIDTH"),
                          help="input size for models whose size is dynamic (default 640 640)")
     inspect.add_argument("--json", action="store_true", help="print JSON")
@@ -97,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also time N images one at a time (batch 1): p50/p99 from file to detections")
     bench.add_argument("--format", dest="output_format", choices=OUTPUT_FORMATS, default="jsonl",
                        help="how gpudet's passes write their records (as detect --format; default jsonl)")
-    bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override one config key (repeatable), as for detect")
     bench.add_argument("--json", help="also write the report here")
 
     draw = commands.add_parser("draw", parents=[common], help="draw detections onto the images")
@@ -193,7 +195,9 @@ def summary_table(s: dict) -> str:
 def cmd_export_coco(args: argparse.Namespace) -> int:
     from .coco import load_annotations, read_detections, to_coco_results
 
-    results, unmatched = to_coco_results(read_detections(args.detections), load_annotations(args.annotations))
+    matched: set[int] = set()
+    results, unmatched = to_coco_results(read_detections(args.detections), load_annotations(args.annotations), matched)
+    none_annotated(matched, unmatched, args)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(results, f)
     if unmatched:
@@ -204,12 +208,21 @@ def cmd_export_coco(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def none_annotated(matched: set[int], unmatched: int, args: argparse.Namespace) -> None:
+    """Records, none of whose images the annotation file lists: the wrong file or folder, not a
+    score of 0."""
+    if unmatched and not matched:
+        raise ConfigError(f"no image of {args.detections} ({counted(unmatched, 'image')}) is in {args.annotations} "
+                          "(matched by file name); pass the annotation file of the images that run detected")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from .coco import evaluate, load_annotations, read_detections, to_coco_results
 
     gt = load_annotations(args.annotations, for_eval=True)
     matched: set[int] = set()
     results, unmatched = to_coco_results(read_detections(args.detections), gt, matched)
+    none_annotated(matched, unmatched, args)
     if len(matched) < len(gt["images"]):
         log.warning("%d of the %d annotated images have no record in %s: they count as images where nothing was "
                     "found (evaluate a finished run, or an annotation file of the images it detected)",
@@ -244,7 +257,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     with signals_held():
         from .modelinfo import format_info, inspect_model
 
-    info = inspect_model(args.model, size_hw=tuple(args.size))
+    from .config import builtin_model_dir
+
+    path = Path(args.model)
+    if not path.exists() and path.name == args.model and (builtin_model_dir() / path.name).is_file():
+        path = builtin_model_dir() / path.name  # a bundled model by its name, as --model finds it
+    info = inspect_model(path, size_hw=tuple(args.size))
     say(json.dumps(info, indent=2) if args.json else format_info(info))
     return EXIT_OK
 

@@ -196,3 +196,10 @@ def test_retry_failed_with_another_source_is_refused_before_anything_is_emptied(
     other.write_text(f"{SAMPLES / 'camera.png'}\n{tmp_path / 'nope.jpg'}\n")
     assert detect(other, "--out", out, "--device", "cpu", "--resume", "--retry-failed") == 2
     assert [e["reason"] for e in read_jsonl(out / "errors.jsonl")] == ["missing"]  # still there
+
+
+def test_inspect_finds_a_bundled_model_by_its_name_as_detect_does(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # not in the working folder: gpudet's models/
+    assert main(["inspect", "retinaface_mnet025.onnx", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["path"] == str(ROOT / "models" / "retinaface_mnet025.onnx")
+    assert main(["inspect", "nothere.onnx"]) == 2

@@ -157,3 +157,18 @@ def test_eval_says_when_annotated_images_have_no_record(labelled, tmp_path, caps
     assert "2 of the 4 annotated images have no record" in capsys.readouterr().err
     assert main(["eval", str(labelled / "out" / "detections.jsonl"), "--annotations", str(labelled / "gt.json")]) == 0
     assert "no record" not in capsys.readouterr().err
+
+
+def test_records_of_no_annotated_image_are_exit_2_not_a_score_of_0(labelled, tmp_path, capsys):
+    """Detections of other images than the annotation file's (the wrong file or folder): one line
+    saying so, exit 2, for eval and export-coco alike, instead of AP 0 or an empty results file."""
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"images": [{"id": 1, "file_name": "elsewhere.jpg"}], "annotations": [],
+                                 "categories": [{"id": 7, "name": "face"}]}))
+    detections = labelled / "out" / "detections.jsonl"
+    for command in (["eval", str(detections)], ["export-coco", str(detections), "--out", str(tmp_path / "r.json")]):
+        capsys.readouterr()
+        assert main([*command, "--annotations", str(other)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and f"no image of {detections} (" in err and "is in " + str(other) in err, err
+    assert not (tmp_path / "r.json").exists()
