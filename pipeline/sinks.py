@@ -655,7 +655,14 @@ class OutputFolder:
                               "not yet recorded there, or --overwrite to start again")
         kept = self.path / self.SETTINGS
         if existing and settings is not None and kept.is_file():
-            changed = setting_changes(json.loads(kept.read_text()), settings)
+            try:
+                before = json.loads(kept.read_text())
+                changed = setting_changes(before, settings) if isinstance(before, dict) else None
+            except (ValueError, AttributeError):  # not JSON, or not sections of keys
+                changed = None
+            if changed is None:
+                raise OutputError(f"{kept} is not the settings file gpudet wrote; remove it to resume without "
+                                  "checking the settings, or --overwrite to start again")
             if changed:
                 raise OutputError(f"--resume: the records in {self.path} were made with other settings "
                                   f"({'; '.join(changed[:3])}{'; ...' if len(changed) > 3 else ''}); give the same "

@@ -268,6 +268,12 @@ def test_resume_refuses_other_settings_so_a_folder_holds_one_detectors_records(t
     assert main([*run, "--overwrite", "--set", "postprocess.score_threshold=0.5"]) == 0
     assert json.loads((out / "settings.json").read_text())["postprocess"]["score_threshold"] == 0.5
     assert main([*run, "--resume", "--set", "postprocess.score_threshold=0.5"]) == 0
+    for text in ("{not json", '{"postprocess": [1]}', "[]"):  # edited by hand: one line, not a traceback
+        (out / "settings.json").write_text(text)
+        capsys.readouterr()
+        assert main([*run, "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "is not the settings file gpudet wrote" in err, err
 
 
 def rss_mib(pid: int) -> float | None:
