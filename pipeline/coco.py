@@ -9,10 +9,13 @@ annotation file's categories.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 
 from .errors import ConfigError, OutputError
+
+log = logging.getLogger("gpudet")
 
 METRICS = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 
@@ -54,15 +57,23 @@ class ImageMatcher:
 def to_coco_results(records: Iterable[dict], gt: dict, matched: set[int] | None = None) -> tuple[list[dict], int]:
     """COCO results [{image_id, category_id, bbox: [x, y, w, h], score}] and the number of records
     whose image is not in the annotation file (skipped). matched: filled with the ids of the
-    annotated images that have a record."""
+    annotated images that have a record. A record whose image an earlier record already matched
+    (the same file listed twice, or two folders' files of one name) is left out, with a warning:
+    scored twice, its detections would count as false positives."""
     match_image = ImageMatcher(gt["images"])
     categories = {c["name"].lower(): c["id"] for c in gt["categories"]}
     results, unmatched = [], 0
+    first: dict[int, str] = {}  # image id -> the path of the record kept for it
+    repeated: list[tuple[str, str]] = []
     for record in records:
         image_id = match_image(record["path"])
         if image_id is None:
             unmatched += 1
             continue
+        if image_id in first:
+            repeated.append((first[image_id], record["path"]))
+            continue
+        first[image_id] = record["path"]
         if matched is not None:
             matched.add(image_id)
         for det in record["detections"]:
@@ -74,6 +85,11 @@ def to_coco_results(records: Iterable[dict], gt: dict, matched: set[int] | None 
             results.append({"image_id": image_id, "category_id": category_id,
                             "bbox": [round(x1, 2), round(y1, 2), round(x2 - x1, 2), round(y2 - y1, 2)],
                             "score": det["score"]})
+    if repeated:
+        kept, left_out = repeated[0]
+        many = "1 record matches" if len(repeated) == 1 else f"{len(repeated)} records match"
+        log.warning("%s an image an earlier record matched (first: %s, kept, and %s); only the first of each is "
+                    "used", many, kept, left_out)
     return results, unmatched
 
 

@@ -172,3 +172,15 @@ def test_records_of_no_annotated_image_are_exit_2_not_a_score_of_0(labelled, tmp
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and f"no image of {detections} (" in err and "is in " + str(other) in err, err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_two_records_of_one_annotated_image_count_once_with_a_warning(caplog):
+    """Two folders' files of one name (or one file listed twice) match the same annotated image:
+    the first record is scored, the others are left out and the warning names both paths."""
+    gt = {"images": [{"id": 1, "file_name": "x.png"}], "categories": [{"id": 1, "name": "face"}]}
+    face = {"name": "face", "box": [0, 0, 10, 10], "score": 0.9}
+    records = [{"path": "/d/a/x.png", "detections": [face]}, {"path": "/d/b/x.png", "detections": [face, face]}]
+    with caplog.at_level("WARNING", logger="gpudet"):
+        results, unmatched = to_coco_results(records, gt)
+    assert len(results) == 1 and unmatched == 0
+    assert "1 record matches an image an earlier record matched (first: /d/a/x.png, kept, and /d/b/x.png)" in caplog.text
