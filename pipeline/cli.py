@@ -257,11 +257,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     with signals_held():
         from .modelinfo import format_info, inspect_model
 
-    from .config import builtin_model_dir
+    from .config import model_candidates
 
-    path = Path(args.model)
-    if not path.exists() and path.name == args.model and (builtin_model_dir() / path.name).is_file():
-        path = builtin_model_dir() / path.name  # a bundled model by its name, as --model finds it
+    # where --model looks (a bundled model by its name too); inspect_model names the file if none is
+    path = next((c for c in model_candidates(args.model) if c.is_file()), Path(args.model))
     info = inspect_model(path, size_hw=tuple(args.size))
     say(json.dumps(info, indent=2) if args.json else format_info(info))
     return EXIT_OK

@@ -330,19 +330,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return config
 
 
+def model_candidates(text: str, config_dir: Path | None = None) -> list[Path]:
+    """Where a model file named `text` is looked for, in order: itself if absolute; else beside the
+    config (config_dir), in the working directory and, for a bare file name, in gpudet's models/."""
+    given = Path(text).expanduser()
+    if given.is_absolute():
+        return [given]
+    candidates = [config_dir / given] if config_dir else []
+    candidates.append(Path.cwd() / given)
+    if given.name == text:  # a path with a folder means that folder: never another file of its name
+        candidates.append(builtin_model_dir() / given.name)
+    return candidates
+
+
 def resolve_model_path(config: Config, *, on_cpu: bool = False) -> Path:
     """model.path (on_cpu: model.cpu_path, if set): absolute, or relative to the config's folder,
     then the working directory; a bare file name also in gpudet's models/."""
     key = "cpu_path" if on_cpu and config.model.cpu_path else "path"
     text = getattr(config.model, key)
-    given = Path(text).expanduser()
-    candidates = [given] if given.is_absolute() else []
-    if not given.is_absolute():
-        if config.source_file:
-            candidates.append(Path(config.source_file).parent / given)
-        candidates.append(Path.cwd() / given)
-        if given.name == text:  # a path with a folder means that folder: never another file of its name
-            candidates.append(builtin_model_dir() / given.name)
+    candidates = model_candidates(text, Path(config.source_file).parent if config.source_file else None)
     for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()

@@ -31,8 +31,8 @@ def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | 
     with OutputFolder(out_dir, output_format=output_format, resume=resume, overwrite=overwrite,
                       retry_failed=retry_failed) as folder:
         refs = list_images(source, root=root)
-        return detect_into(folder, folder.begin(refs, config.result_settings()), config, source=str(source), images=len(refs),
-                           progress=progress)
+        todo = folder.begin(refs, config.result_settings())
+        return detect_into(folder, todo, config, source=str(source), images=len(refs), progress=progress)
 
 
 def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, source: str, images: int,

@@ -495,11 +495,13 @@ def fsync_folder(path: Path) -> None:
 
 def setting_changes(before: dict, now: dict) -> list[str]:
     """Each key of two result_settings that differs: "section.key: was X, now Y"."""
-    return [f"{section}.{key}: was {json.dumps(old)}, now {json.dumps(now.get(section, {}).get(key))}"
-            for section, values in before.items() for key, old in values.items()
-            if now.get(section, {}).get(key) != old] + \
-        [f"{section}.{key}: new, {json.dumps(value)}" for section, values in now.items() for key, value in values.items()
-         if key not in before.get(section, {})]
+    def keys(settings: dict) -> dict:
+        return {f"{section}.{key}": value for section, values in settings.items() for key, value in values.items()}
+
+    old, new = keys(before), keys(now)
+    changed = [f"{key}: was {json.dumps(value)}, now {json.dumps(new.get(key))}" for key, value in old.items()
+               if new.get(key) != value]
+    return changed + [f"{key}: new, {json.dumps(value)}" for key, value in new.items() if key not in old]
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
@@ -622,9 +624,9 @@ class OutputFolder:
     def begin(self, refs: list[ImageRef], settings: dict | None = None) -> list[ImageRef]:
         """Start a run over `refs`: the images it must process. A run refused here (results without
         --resume, another format, another source, other `settings`: Config.result_settings, kept
-        in settings.json by the run that started the folder's records) changes nothing; once it is accepted the earlier
-        run's summary.json goes, before anything is written, so that a summary always describes
-        the run that wrote it, whatever stops this one.
+        in settings.json by the run that started the folder's records) changes nothing; once it is
+        accepted the earlier run's summary.json goes, before anything is written, so that a summary
+        always describes the run that wrote it, whatever stops this one.
         Records in the shards count as this folder's; --overwrite removes them with the files (of
         either format); retry_failed empties every errors.jsonl, so that those images are
         processed again. The images recorded as failed before count in `tally.failed_before`

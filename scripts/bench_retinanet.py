@@ -51,7 +51,7 @@ from pipeline.source import EncodedImage, list_images, read_checked  # noqa: E40
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "retinanet_r50_coco.yaml"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to try this script out
 HALF = torch.float16 if DEVICE == "cuda" else torch.float32  # torchvision's NMS has no float16 CPU kernel
-MEAN, STD = (123.675, 116.28, 103.53), (58.395, 57.12, 57.375)  # the config's, in 0..255 units
+MEAN, STD = exporter.IMAGENET_MEAN, exporter.IMAGENET_STD  # the config's, in 0..255 units
 
 
 def sync() -> None:
