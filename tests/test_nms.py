@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.nms import batched_nms, box_iou_batched, exact_nms, top_nms
+from pipeline.nms import batched_nms, box_iou_batched, exact_nms, fixed_point, packed_bits, top_nms
 
 from conftest import cpu_and_cuda
 
@@ -90,6 +90,34 @@ def test_an_image_that_does_not_converge_is_the_only_one_sent_to_the_exact_path(
     assert settled.tolist() == [False, True] and keep[1].tolist() == [True, True] + [False] * (k - 2)
     finished = exact_nms(boxes, scores, classes, valid, iou_threshold=0.3, max_kept=100, images=[0], keep=keep)
     assert finished[0].tolist() == [i % 2 == 0 for i in range(k)] and finished[1].tolist() == keep[1].tolist()
+
+@cpu_and_cuda()
+@pytest.mark.parametrize("k", [1, 7, 8, 63, 64, 65, 130])
+def test_packed_bits_hold_each_entry_of_the_last_axis_once(device, k):
+    mask = torch.rand(3, 5, k, generator=torch.Generator().manual_seed(k)).to(device) > 0.5
+    packed = packed_bits(mask)
+    assert packed.shape == (3, 5, -(-k // 64)) and packed.dtype == torch.int64
+    bits = (packed[..., None] >> torch.arange(64, device=device)) & 1
+    assert torch.equal(bits.bool().reshape(3, 5, -1)[..., :k], mask)
+    assert not bits.reshape(3, 5, -1)[..., k:].any()  # what pads the last byte is False
+
+
+@cpu_and_cuda()
+@pytest.mark.parametrize("k", [5, 64, 100])
+def test_the_packed_fixed_point_is_the_boolean_one(device, k):
+    """fixed_point on bits against the same iteration on the [B, K, K] bool matrix, after as many
+    steps, including those that stop before the fixed point."""
+    generator = torch.Generator().manual_seed(k)
+    by = (torch.rand(4, k, k, generator=generator) > 0.95) & torch.ones(k, k, dtype=torch.bool).tril(-1)
+    valid = torch.rand(4, k, generator=generator) > 0.2
+    by, valid = by.to(device), valid.to(device)
+    for steps in (1, 2, 3, k):
+        keep = previous = valid
+        for _ in range(steps):
+            previous, keep = keep, valid & ~(by & keep[:, None, :]).any(dim=2)
+        got, converged = fixed_point(by, valid, max_iterations=steps)  # (the CPU stops once nothing changes)
+        assert torch.equal(got, keep) and torch.equal(converged, (keep == previous).all(dim=1))
+
 
 def test_box_iou():
     boxes = torch.tensor([[[0, 0, 10, 10], [5, 0, 15, 10], [20, 20, 30, 30]]], dtype=torch.float32)
