@@ -182,7 +182,7 @@ def formats_table() -> str:
         return (f"| {label} | {tree} | {num(jsonl[0])} ({jsonl[1]:.2f} s) | {num(parquet[0])} ({parquet[1]:.2f} s) | "
                 f"{parquet[0] / jsonl[0]:.2f}x |")
 
-    for report in map(load, ("retinanet_formats", "retinanet_formats_2")):
+    for report in map(load, ("retinanet_formats", "retinanet_formats_2", "retinanet_formats_3")):
         rn = report["results"]
         for label, name in (("RetinaNet, the zero-load bound", "gpudet, zero-load bound (no detection survives)"),
                             ("RetinaNet, the seeded load", "gpudet"),
