@@ -29,7 +29,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -583,6 +583,9 @@ class OutputFolder:
         self.resume, self.overwrite, self.retry_failed = resume, overwrite, retry_failed
         self.tally = Tally()
         self._writers: tuple[JsonlWriter | ParquetWriter, JsonlWriter] | None = None
+        self._made = not self.path.exists()
+        """This run made the folder: if it ends before it starts writing (refused, or its model
+        does not load), close() removes the folder again, so that no empty --out is left behind."""
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -595,10 +598,26 @@ class OutputFolder:
         self._lock = hold_lock(self.path / self.LOCK, self.path)
 
     def close(self) -> None:
-        """Release the folder for another run."""
+        """Release the folder for another run; remove it if this run made it and wrote nothing there."""
         if self._lock >= 0:
+            if self._made and not self.shards and not (self.path / "summary.json").exists() \
+                    and not any(holds_results(p) for name in FORMATS for p in result_paths(self.path, name)):
+                self._remove_made()  # made by this run, which never started writing (writing() clears _made)
             os.close(self._lock)
             self._lock = -1
+
+    def _remove_made(self) -> None:
+        """The folder this run made, with what it put there (its lock, settings.json, empty result
+        files); a file anyone else put there keeps it."""
+        for name in (self.LOCK, *self.FILES):
+            path = self.path / name
+            if path.is_dir():
+                with suppress(OSError):
+                    path.rmdir()
+            elif not path.is_symlink():
+                path.unlink(missing_ok=True)
+        with suppress(OSError):
+            self.path.rmdir()
 
     def __enter__(self) -> OutputFolder:
         return self
@@ -687,6 +706,7 @@ class OutputFolder:
         """The detections and errors files open for this run: appended to with --resume, else
         started anew. Call `begin` first (a --devices worker's shard: its parent removes the
         shard's summary)."""
+        self._made = False  # the run has started: what it leaves stays, for --resume to read
         detections = JsonlWriter(self.files[0], append=self.resume) if self.format == "jsonl" else \
             ParquetWriter(self.files[0], flush_s=self.flush_s)
         with detections as results, JsonlWriter(self.files[1], append=self.resume) as errors:

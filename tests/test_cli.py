@@ -104,6 +104,20 @@ def test_usage_and_config_errors_exit_2(tmp_path, capsys):
     assert info.value.code == 2
 
 
+def test_a_run_that_writes_nothing_leaves_no_folder_it_made(tmp_path, capsys):
+    """A new --out whose run stops before any record (the model is not found) is removed again;
+    a folder that was there before stays, and so does one that holds records."""
+    assert detect(SAMPLES, "--out", tmp_path / "new" / "out", "--model", tmp_path / "none.onnx") == 2
+    assert "none.onnx" in capsys.readouterr().err
+    assert not (tmp_path / "new" / "out").exists() and (tmp_path / "new").is_dir()
+    (tmp_path / "mine").mkdir()
+    assert detect(SAMPLES, "--out", tmp_path / "mine", "--model", tmp_path / "none.onnx") == 2
+    assert (tmp_path / "mine").is_dir()
+    assert detect(SAMPLES, "--out", tmp_path / "done", "--device", "cpu") == 0
+    assert detect(SAMPLES, "--out", tmp_path / "done", "--model", tmp_path / "none.onnx", "--resume") == 2
+    assert (tmp_path / "done" / "detections.jsonl").stat().st_size > 0
+
+
 def test_format_choices_are_the_writers_and_help_stays_light():
     """--format's choices are the output formats sinks writes; `--help` parses them without
     importing sinks (numpy, orjson)."""
