@@ -1,13 +1,15 @@
 """Drawing: boxes, `name score` labels and landmarks from detections onto the images, with Pillow.
 
-Output files are named by the record's index (`00000042.jpg`), never by the input path, so
-nothing a file list says can place a file outside the output folder. Lines and labels scale with
+Output files are named by the record's index and the image's file name, reduced to letters, digits,
+`.`, `_` and `-` (`00000042_street.jpg`): never a path, so nothing a file list says can place a
+file outside the output folder, and two images of one name do not overwrite each other. Lines and labels scale with
 the image (a label stays readable on a 3,000 px photo), and a label that would leave the image
 at the top is drawn inside its box.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -69,7 +71,13 @@ def draw_records(records: Iterable[dict], out_dir: str | Path, *, root: str | Pa
         except (OSError, ValueError) as e:  # gone since the run, unreadable, no longer an image
             skipped.append(f"{source}: {e.strerror if isinstance(e, OSError) and e.strerror else e}")
             continue
-        path = out / f"{int(record['index']):08d}.{image_format}"
+        path = out / f"{int(record['index']):08d}_{safe_stem(source)}.{image_format}"
         image.save(path, FORMATS[image_format], **({"quality": 90} if image_format != "png" else {}))
         written.append(path)
     return written, skipped
+
+
+def safe_stem(path: Path) -> str:
+    """A file name part for the drawing of `path`: its stem with anything but letters, digits, `.`,
+    `_` and `-` replaced by `_`, at most 64 characters."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", path.stem)[:64] or "image"

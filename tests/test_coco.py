@@ -4,12 +4,15 @@ import json
 import subprocess
 import sys
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from PIL import Image
 
 from pipeline.cli import main
 from pipeline.coco import ImageMatcher, evaluate, to_coco_results
+from pipeline.draw import safe_stem
 
 from conftest import SAMPLES
 
@@ -91,15 +94,23 @@ def test_image_matching_prefers_the_longest_file_name():
     assert match("/data/deep/y.jpg") == 3
 
 
-def test_draw_writes_one_image_per_record_named_by_index(labelled):
+def test_draw_writes_one_image_per_record_named_by_index_and_name(labelled):
     out = labelled / "vis"
     assert main(["draw", str(labelled / "out" / "detections.jsonl"), "--out", str(out), "--limit", "2"]) == 0
+    records = [json.loads(line) for line in (labelled / "out" / "detections.jsonl").read_text().splitlines()[:2]]
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["00000000.jpg", "00000001.jpg"]
-    record = json.loads((labelled / "out" / "detections.jsonl").read_text().splitlines()[0])
+    assert files == [f"{r['index']:08d}_{Path(r['path']).stem}.jpg" for r in records]
+    record = records[0]
     x1, y1, x2, y2 = (round(v) for v in record["detections"][0]["box"])
-    pixels = np.asarray(Image.open(out / "00000000.jpg"))
+    pixels = np.asarray(Image.open(out / files[0]))
     assert pixels[(y1 + y2) // 2, x1 - 1:x1 + 2, 0].max() > 180  # the box's left edge, in the first colour
+
+
+def test_a_drawing_s_name_never_leaves_the_folder():
+    assert safe_stem(Path("/data/../../etc/passwd")) == "passwd"
+    assert safe_stem(Path("a b/ü ber$(x).jpg")) == "__ber__x_"
+    assert safe_stem(Path("/x/\\..\\..\\win.ini")) == "_.._.._win"  # one file name, whatever the separators
+    assert len(safe_stem(Path("n" * 300 + ".jpg"))) == 64
 
 
 def test_log_json_and_quiet(tmp_path, capsys):
