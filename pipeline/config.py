@@ -263,18 +263,19 @@ def _apply(sections: dict[str, dict[str, Any]], values: dict[str, Any], origin: 
             sections[section][key] = _coerce(f"{section}.{key}", value, hints[key])
 
 
-def parse_override(text: str) -> dict[str, Any]:
-    """`section.key=value` (value parsed as YAML) -> {"section": {"key": value}}."""
+def parse_override(text: str, origin: str = "--set") -> dict[str, Any]:
+    """`section.key=value` (value parsed as YAML) -> {"section": {"key": value}}. origin: what
+    errors call it (the CLI's --set, the API's overrides)."""
     if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. postprocess.score_threshold=0.5")
+        raise ConfigError(f"{origin} {text!r}: expected section.key=value, e.g. postprocess.score_threshold=0.5")
     dotted, raw = text.split("=", 1)
     parts = dotted.strip().split(".")
     if len(parts) != 2:
-        raise ConfigError(f"--set {text!r}: the key must be section.key, e.g. run.batch_size")
+        raise ConfigError(f"{origin} {text!r}: the key must be section.key, e.g. run.batch_size")
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {text!r}: value is not valid YAML: {' '.join(str(e).split())}") from None
+        raise ConfigError(f"{origin} {text!r}: value is not valid YAML: {' '.join(str(e).split())}") from None
     return {parts[0]: {parts[1]: value}}
 
 
@@ -306,8 +307,9 @@ def builtin_model_dir() -> Path:
     return _data_dir("models")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Load a YAML config (default: the embedded RetinaFace one), apply overrides, validate."""
+def load_config(path: str | Path | None = None, overrides: list[str] = (), *, origin: str = "--set") -> Config:
+    """Load a YAML config (default: the embedded RetinaFace one), apply overrides, validate.
+    origin: what errors call the overrides (the CLI's --set, the API's overrides)."""
     path = Path(path) if path is not None else builtin_config()
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -324,7 +326,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     _apply(sections, values, str(path))
     for text in overrides:
-        _apply(sections, parse_override(text), f"--set {text}")
+        _apply(sections, parse_override(text, origin), f"{origin} {text}")
     config = Config(**{name: kind(**sections[name]) for name, kind in SECTIONS.items()}, source_file=str(path))
     config.validate()
     return config

@@ -234,6 +234,10 @@ def test_per_call_thresholds_on_the_gpu_are_captured_before_the_stream_runs(capl
 def test_api_mistakes_are_named():
     with pytest.raises(ConfigError, match="a list of 'section.key=value' strings"):
         Detector.from_config(device="cpu", overrides="postprocess.score_threshold=0.5")
+    for bad in ("score_threshold=0.5", "run.batch_sise=3"):  # named as the API calls them, not as the CLI does
+        with pytest.raises(ConfigError, match=r"^overrides .*" + bad.split("=")[0]) as info:
+            Detector.from_config(device="cpu", overrides=[bad])
+        assert "--set" not in str(info.value)
     detector = Detector.from_config(device="cpu", batch_size=2)
     with pytest.raises(ConfigError, match="score_threshold: True must be a number"):
         next(detector.run(str(SAMPLES), score_threshold=True))
