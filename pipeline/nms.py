@@ -56,12 +56,13 @@ def packed_bits(mask: torch.Tensor) -> torch.Tensor:
     pad = -mask.shape[-1] % 64
     if pad:
         mask = torch.cat([mask, mask.new_zeros(*mask.shape[:-1], pad)], dim=-1)
-    lead, device = mask.shape[:-1], mask.device
+    *lead, k = mask.shape
+    device = mask.device
     ones = torch.ones(8, dtype=torch.uint8, device=device)  # made on the device: a CUDA graph can hold it
-    octets = (mask.reshape(*lead, -1, 8) * (ones << torch.arange(8, dtype=torch.uint8, device=device))).sum(
+    octets = (mask.reshape(*lead, k // 8, 8) * (ones << torch.arange(8, dtype=torch.uint8, device=device))).sum(
         dim=-1, dtype=torch.uint8)  # [..., K / 8]
     shifts = torch.arange(0, 64, 8, dtype=torch.int64, device=device)
-    return (octets.reshape(*lead, -1, 8).to(torch.int64) << shifts).sum(dim=-1)  # [..., K / 64]
+    return (octets.reshape(*lead, k // 64, 8).to(torch.int64) << shifts).sum(dim=-1)  # [..., K / 64]
 
 
 def fixed_point(by: torch.Tensor, valid: torch.Tensor, *, max_iterations: int,

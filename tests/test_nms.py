@@ -103,6 +103,16 @@ def test_packed_bits_hold_each_entry_of_the_last_axis_once(device, k):
 
 
 @cpu_and_cuda()
+def test_no_candidate_and_no_image_are_empty_answers(device):
+    for batch, k in ((2, 0), (0, 5)):
+        boxes, scores = torch.zeros(batch, k, 4, device=device), torch.zeros(batch, k, device=device)
+        classes, valid = torch.zeros(batch, k, dtype=torch.long, device=device), torch.ones(batch, k, dtype=torch.bool,
+                                                                                          device=device)
+        keep, converged = batched_nms(boxes, scores, classes, valid, iou_threshold=0.5, max_iterations=4)
+        assert keep.shape == (batch, k) and converged.tolist() == [True] * batch
+
+
+@cpu_and_cuda()
 @pytest.mark.parametrize("k", [5, 64, 100])
 def test_the_packed_fixed_point_is_the_boolean_one(device, k):
     """fixed_point on bits against the same iteration on the [B, K, K] bool matrix, after as many
