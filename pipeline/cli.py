@@ -122,7 +122,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
         from .runner import run_detect
 
     overrides = args.overrides + option_overrides(model=args.model, device=args.device, batch_size=args.batch_size)
-    config = load_config(args.config, overrides)
+    config = load_config(args.config, overrides, origin="--set")
     progress = False if args.quiet else args.progress
     options = dict(root=args.root, progress=progress, output_format=args.output_format, resume=args.resume,
                    overwrite=args.overwrite, retry_failed=args.retry_failed)
@@ -273,7 +273,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .bench import format_report, run_bench, write_report
 
     overrides = args.overrides + option_overrides(device=args.device, batch_size=args.batch_size)
-    report = run_bench(args.source, load_config(args.config, overrides), limit=args.limit,
+    report = run_bench(args.source, load_config(args.config, overrides, origin="--set"), limit=args.limit,
                        iterations=args.iterations, skip_naive=args.skip_naive, naive_limit=args.naive_limit,
                        latency=args.latency, passes=args.passes, output_format=args.output_format,
                        command=shlex.join(["gpudet", *args.argv]))

@@ -263,7 +263,7 @@ def _apply(sections: dict[str, dict[str, Any]], values: dict[str, Any], origin: 
             sections[section][key] = _coerce(f"{section}.{key}", value, hints[key])
 
 
-def parse_override(text: str, origin: str = "--set") -> dict[str, Any]:
+def parse_override(text: str, origin: str = "overrides") -> dict[str, Any]:
     """`section.key=value` (value parsed as YAML) -> {"section": {"key": value}}. origin: what
     errors call it (the CLI's --set, the API's overrides)."""
     if "=" not in text:
@@ -307,9 +307,9 @@ def builtin_model_dir() -> Path:
     return _data_dir("models")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), *, origin: str = "--set") -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] = (), *, origin: str = "overrides") -> Config:
     """Load a YAML config (default: the embedded RetinaFace one), apply overrides, validate.
-    origin: what errors call the overrides (the CLI's --set, the API's overrides)."""
+    origin: what errors call the overrides (the API's overrides; the CLI's --set)."""
     path = Path(path) if path is not None else builtin_config()
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")

@@ -82,7 +82,7 @@ class Detector:
                               "['postprocess.score_threshold=0.5']")
         extra = list(overrides) + option_overrides(model=model, device=device, batch_size=batch_size)
         if not isinstance(config, Config):
-            config = load_config(config, extra, origin="overrides")
+            config = load_config(config, extra)
         elif extra:
             raise ValueError("overrides apply to a config file; change a loaded Config with dataclasses.replace")
         m, p, q, r = config.model, config.preprocess, config.postprocess, config.run

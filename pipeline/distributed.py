@@ -169,6 +169,7 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
         shards = folder.path / SHARDS
         refs = list_images(source, root=root)
         todo = folder.begin(refs, config.result_settings())
+        folder.started()  # the actors write into its shards from here
         failure, streaming, gpus = None, 0.0, gpus_per_worker
         if todo:
             try:

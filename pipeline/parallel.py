@@ -126,6 +126,7 @@ def _run_on_devices(folder: OutputFolder, source: str, config: Config, devices: 
     refs = list_images(source, root=root)
     todo = folder.begin(refs, config.result_settings())
     shards = [folder.path / SHARDS / str(k) for k in range(len(devices))]
+    folder.started()  # the workers write into its shards from here
     context = multiprocessing.get_context("spawn")
 
     def start(worker: Worker, images: list[ImageRef]) -> None:

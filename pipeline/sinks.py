@@ -583,41 +583,51 @@ class OutputFolder:
         self.resume, self.overwrite, self.retry_failed = resume, overwrite, retry_failed
         self.tally = Tally()
         self._writers: tuple[JsonlWriter | ParquetWriter, JsonlWriter] | None = None
-        self._made = not self.path.exists()
-        """This run made the folder: if it ends before it starts writing (refused, or its model
-        does not load), close() removes the folder again, so that no empty --out is left behind."""
+        self._made = False
+        """This run made the folder: if it ends before it started (refused, or its model does not
+        load), close() removes the folder again, so that no empty --out is left behind."""
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(parents=True)
+            self._made = True
+        except FileExistsError:
+            if not self.path.is_dir():
+                raise OutputError(f"--out {self.path} is a file, not a folder; give a folder gpudet may create and "
+                                  "write") from None
         except OSError as e:
-            kind = "is a file, not a folder" if isinstance(e, FileExistsError) else \
-                f"cannot be made: {e.strerror or e}"
-            raise OutputError(f"--out {self.path} {kind}; give a folder gpudet may create and write") from None
+            raise OutputError(f"--out {self.path} cannot be made: {e.strerror or e}; give a folder gpudet may create "
+                              "and write") from None
         linked = [self.path / name for name in self.FILES if (self.path / name).is_symlink()]
         if linked:
             raise OutputError(f"{linked[0]} is a symbolic link; gpudet never writes through one: remove it")
         self._lock = hold_lock(self.path / self.LOCK, self.path)
 
+    def started(self) -> None:
+        """From here on the folder stays, whatever stops the run: its records are being written
+        (writing() calls this), or workers write into its shards (--devices, --ray)."""
+        self._made = False
+
     def close(self) -> None:
-        """Release the folder for another run; remove it if this run made it and wrote nothing there."""
-        if self._lock >= 0:
-            if self._made and not self.shards and not (self.path / "summary.json").exists() \
-                    and not any(holds_results(p) for name in FORMATS for p in result_paths(self.path, name)):
-                self._remove_made()  # made by this run, which never started writing (writing() clears _made)
+        """Release the folder for another run. A folder this run made and never started (started())
+        goes again, with the files it put there; a file anyone else put there keeps it."""
+        if self._lock < 0:
+            return
+        remove = self._made and not self.shards and not (self.path / "summary.json").exists() \
+            and not any(holds_results(p) for name in FORMATS for p in result_paths(self.path, name))
+        try:
+            if remove:
+                with suppress(OSError):  # the run's own error, not this, is what the user sees
+                    for name in (self.LOCK, *self.FILES):
+                        path = self.path / name
+                        if path.is_dir() and not path.is_symlink():
+                            path.rmdir()
+                        elif path.is_file() and not path.is_symlink():
+                            path.unlink()
+        finally:
             os.close(self._lock)
             self._lock = -1
-
-    def _remove_made(self) -> None:
-        """The folder this run made, with what it put there (its lock, settings.json, empty result
-        files); a file anyone else put there keeps it."""
-        for name in (self.LOCK, *self.FILES):
-            path = self.path / name
-            if path.is_dir():
-                with suppress(OSError):
-                    path.rmdir()
-            elif not path.is_symlink():
-                path.unlink(missing_ok=True)
-        with suppress(OSError):
-            self.path.rmdir()
+        if remove:
+            with suppress(OSError):  # not empty: someone else's file is there
+                self.path.rmdir()
 
     def __enter__(self) -> OutputFolder:
         return self
@@ -706,7 +716,7 @@ class OutputFolder:
         """The detections and errors files open for this run: appended to with --resume, else
         started anew. Call `begin` first (a --devices worker's shard: its parent removes the
         shard's summary)."""
-        self._made = False  # the run has started: what it leaves stays, for --resume to read
+        self.started()  # what the run leaves stays, for --resume to read
         detections = JsonlWriter(self.files[0], append=self.resume) if self.format == "jsonl" else \
             ParquetWriter(self.files[0], flush_s=self.flush_s)
         with detections as results, JsonlWriter(self.files[1], append=self.resume) as errors:

@@ -92,7 +92,7 @@ def test_bad_images_are_recorded_and_the_job_goes_on(tmp_path):
 
 def test_usage_and_config_errors_exit_2(tmp_path, capsys):
     assert detect(SAMPLES, "--out", tmp_path, "--set", "run.batch_sise=3") == 2
-    assert "run.batch_sise" in capsys.readouterr().err
+    assert "--set run.batch_sise" in capsys.readouterr().err  # named as the command line takes it
     assert detect(SAMPLES, "--out", tmp_path, "--model", tmp_path / "none.onnx") == 2
     assert "none.onnx" in capsys.readouterr().err
     assert detect(tmp_path / "no_such_dir", "--out", tmp_path) == 2
