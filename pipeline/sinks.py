@@ -608,24 +608,19 @@ class OutputFolder:
 
     def close(self) -> None:
         """Release the folder for another run. A folder this run made and never started (started())
-        goes again, with the files it put there; a file anyone else put there keeps it."""
+        goes again, with what __init__ and begin put there (the lock, settings.json); a file anyone
+        else put there keeps it."""
         if self._lock < 0:
             return
-        remove = self._made and not self.shards and not (self.path / "summary.json").exists() \
-            and not any(holds_results(p) for name in FORMATS for p in result_paths(self.path, name))
         try:
-            if remove:
+            if self._made:
                 with suppress(OSError):  # the run's own error, not this, is what the user sees
-                    for name in (self.LOCK, *self.FILES):
-                        path = self.path / name
-                        if path.is_dir() and not path.is_symlink():
-                            path.rmdir()
-                        elif path.is_file() and not path.is_symlink():
-                            path.unlink()
+                    for name in (self.LOCK, self.SETTINGS, self.SETTINGS + ".tmp"):
+                        (self.path / name).unlink(missing_ok=True)
         finally:
             os.close(self._lock)
             self._lock = -1
-        if remove:
+        if self._made:
             with suppress(OSError):  # not empty: someone else's file is there
                 self.path.rmdir()
 
