@@ -64,14 +64,16 @@ def to_coco_results(records: Iterable[dict], gt: dict, matched: set[int] | None 
     categories = {c["name"].lower(): c["id"] for c in gt["categories"]}
     results, unmatched = [], 0
     first: dict[int, str] = {}  # image id -> the path of the record kept for it
-    repeated: list[tuple[str, str]] = []
+    repeated, example = 0, ("", "")  # records left out; the first of them (kept path, its path)
     for record in records:
         image_id = match_image(record["path"])
         if image_id is None:
             unmatched += 1
             continue
         if image_id in first:
-            repeated.append((first[image_id], record["path"]))
+            repeated += 1
+            if repeated == 1:
+                example = (first[image_id], record["path"])
             continue
         first[image_id] = record["path"]
         if matched is not None:
@@ -86,8 +88,8 @@ def to_coco_results(records: Iterable[dict], gt: dict, matched: set[int] | None 
                             "bbox": [round(x1, 2), round(y1, 2), round(x2 - x1, 2), round(y2 - y1, 2)],
                             "score": det["score"]})
     if repeated:
-        kept, left_out = repeated[0]
-        many = "1 record matches" if len(repeated) == 1 else f"{len(repeated)} records match"
+        kept, left_out = example
+        many = "1 record matches" if repeated == 1 else f"{repeated} records match"
         log.warning("%s an image an earlier record matched (first: %s, kept, and %s); only the first of each is "
                     "used", many, kept, left_out)
     return results, unmatched
