@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     draw = commands.add_parser("draw", parents=[common], help="draw detections onto the images")
     draw.add_argument("detections", help="what gpudet detect wrote: detections.jsonl, detections.parquet or "
                                          "the output folder")
-    draw.add_argument("--out", required=True, help="folder for the annotated images (named INDEX_NAME: 00000042_street.jpg)")
+    draw.add_argument("--out", required=True,
+                      help="folder for the annotated images (named INDEX_NAME: 00000042_street.jpg)")
     draw.add_argument("--limit", type=int, help="only the first N images")
     draw.add_argument("--min-score", type=float, default=0.0, help="draw detections scoring at least this")
     draw.add_argument("--root", help="folder that relative paths in the records resolve against (default: the "

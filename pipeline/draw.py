@@ -2,9 +2,9 @@
 
 Output files are named by the record's index and the image's file name, reduced to letters, digits,
 `.`, `_` and `-` (`00000042_street.jpg`): never a path, so nothing a file list says can place a
-file outside the output folder, and two images of one name do not overwrite each other. Lines and labels scale with
-the image (a label stays readable on a 3,000 px photo), and a label that would leave the image
-at the top is drawn inside its box.
+file outside the output folder, and two images of one name do not overwrite each other. Lines and
+labels scale with the image (a label stays readable on a 3,000 px photo), and a label that would
+leave the image at the top is drawn inside its box.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-
 from pathlib import Path
 
 import numpy as np
@@ -194,4 +193,5 @@ def test_two_records_of_one_annotated_image_count_once_with_a_warning(caplog):
     with caplog.at_level("WARNING", logger="gpudet"):
         results, unmatched = to_coco_results(records, gt)
     assert len(results) == 1 and unmatched == 0
-    assert "1 record matches an image an earlier record matched (first: /d/a/x.png, kept, and /d/b/x.png)" in caplog.text
+    assert ("1 record matches an image an earlier record matched (first: /d/a/x.png, kept, and /d/b/x.png)"
+            in caplog.text)

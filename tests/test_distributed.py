@@ -227,7 +227,8 @@ def test_rays_own_lines_are_logged_at_their_level():
     assert ray_level("2026-12-01 12:24:57,049\tINFO worker.py:1 -- Started a local Ray instance.") == logging.DEBUG
     assert ray_level("[2026-12-01 12:24:57,048 E 1181 1181] core_worker.cc:2465: Actor ...") == logging.WARNING
     assert ray_level("[2026-12-01 12:24:57,048 E 1181 1181] core_worker.cc:2465: Actor with class name: 'M' and "
-                     "ID: '08' has constructor arguments in the object store and max_restarts > 0. If ...") == logging.INFO
+                     "ID: '08' has constructor arguments in the object store and max_restarts > 0. If ...") \
+        == logging.INFO
     assert ray_level("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt "
                      "out.") == logging.INFO
     assert ray_level("[2026-12-01 12:24:57,048 W 1181 1181] gcs_client.cc:1: slow") == logging.INFO

@@ -91,6 +91,7 @@ def test_an_image_that_does_not_converge_is_the_only_one_sent_to_the_exact_path(
     finished = exact_nms(boxes, scores, classes, valid, iou_threshold=0.3, max_kept=100, images=[0], keep=keep)
     assert finished[0].tolist() == [i % 2 == 0 for i in range(k)] and finished[1].tolist() == keep[1].tolist()
 
+
 @cpu_and_cuda()
 @pytest.mark.parametrize("k", [1, 7, 8, 63, 64, 65, 130])
 def test_packed_bits_hold_each_entry_of_the_last_axis_once(device, k):

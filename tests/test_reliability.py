@@ -261,7 +261,8 @@ def test_resume_refuses_other_settings_so_a_folder_holds_one_detectors_records(t
                  "retinaface_mnet025_heads_640.onnx"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "postprocess.score_threshold: was 0.9, now 0.05" in err, err
-    assert 'model.path: was "retinaface_mnet025_heads_640_fp16_nhwc.onnx", now "retinaface_mnet025_heads_640.onnx"' in err
+    assert ('model.path: was "retinaface_mnet025_heads_640_fp16_nhwc.onnx", now "retinaface_mnet025_heads_640.onnx"'
+            in err)
     assert len(read_jsonl(out / "detections.jsonl")) == 2  # refused: nothing written
     assert main([*run, "--resume", "--batch-size", "2"]) == 0
     assert (out / "detections.jsonl").read_bytes() == written
