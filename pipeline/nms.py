@@ -65,24 +65,36 @@ def packed_bits(mask: torch.Tensor) -> torch.Tensor:
     return (octets.reshape(*lead, k // 64, 8).to(torch.int64) << shifts).sum(dim=-1)  # [..., K / 64]
 
 
-def fixed_point(by: torch.Tensor, valid: torch.Tensor, *, max_iterations: int,
+def fixed_point(rows: torch.Tensor, valid: torch.Tensor, *, max_iterations: int,
                 sync_every: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Iterate keep[j] = valid[j] and no kept i in by[j] from keep = valid. Returns keep [B, K] and
-    converged [B] (the last step changed nothing for that image), both on the device. On the CPU it
-    stops as soon as every image converged; on a GPU that check is a host sync, made only every
-    `sync_every` steps when asked (0: never, run max_iterations steps).
+    """Iterate keep[j] = valid[j] and no kept i suppresses j from keep = valid, on the suppressor
+    matrix packed to bits (rows: int64 [B, K, ceil(K / 64)], packed_bits(suppressors(...))).
+    Returns keep [B, K] and converged [B] (the last step changed nothing for that image), both on
+    the device. On the CPU it stops as soon as every image converged; on a GPU that check is a host
+    sync, made only every `sync_every` steps when asked (0: never, run max_iterations steps).
 
-    The rows of `by` and `keep` go as bits, 64 to an int64 word: a step reads 1/8 of the bytes of
-    the bool matrix (a [16, 1024, 1024] step: 2 MB instead of 16 MB, twice), with the same logic."""
-    rows = packed_bits(by)  # [B, K, K / 64]
+    Rows and keep go as bits, 64 to an int64 word: a step reads 1/8 of the bytes of the bool
+    matrix (a [16, 1024, 1024] step: 2 MB instead of 16 MB, twice). Candidates are padded to
+    whole words once (padding: not valid, suppressed by none), so a step is five kernels: pack
+    keep, AND, any, and the update."""
+    batch, k = valid.shape
+    pad = -k % 64
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(batch, pad, rows.shape[2])], dim=1)
+        valid = torch.cat([valid, valid.new_zeros(batch, pad)], dim=1)
+    words = rows.shape[2]
+    bit = torch.ones(64, dtype=torch.int64, device=rows.device) << torch.arange(64, device=rows.device)  # 2^63: sign
     keep = previous = valid
-    check_every = 0 if torch.compiler.is_compiling() else sync_every if by.is_cuda else 1
+    check_every = 0 if torch.compiler.is_compiling() else sync_every if rows.is_cuda else 1
     for step in range(1, max_iterations + 1):
-        suppressed = (rows & packed_bits(keep)[:, None, :]).any(dim=2)  # some kept i suppresses j
+        # keep as words: distinct powers of two summed, an OR without carries (2^63 makes the word
+        # negative and cannot overflow: the other terms are positive and sum below 2^63)
+        kept = (keep.reshape(batch, words, 64) * bit).sum(dim=2)  # [B, W]
+        suppressed = (rows & kept[:, None, :]).any(dim=2)  # some kept i suppresses j
         previous, keep = keep, torch.gt(valid, suppressed)  # valid and not suppressed
         if check_every and step % check_every == 0 and torch.equal(keep, previous):
             break
-    return keep, (keep == previous).all(dim=1)
+    return keep[:, :k], (keep == previous).all(dim=1)
 
 
 def batched_nms(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor, *,
@@ -95,8 +107,8 @@ def batched_nms(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor
     (top-k output is). Returns keep [B, K] bool and converged [B] bool on the device: False for an
     image whose suppression chains need more than max_iterations steps (its keep is not final).
     """
-    by = suppressors(boxes, classes, iou_threshold=iou_threshold)
-    return fixed_point(by, valid, max_iterations=max_iterations, sync_every=sync_every)
+    rows = packed_bits(suppressors(boxes, classes, iou_threshold=iou_threshold))
+    return fixed_point(rows, valid, max_iterations=max_iterations, sync_every=sync_every)
 
 
 def top_nms(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor, *,
