@@ -22,10 +22,13 @@ COPY models /src/models
 RUN /opt/gpudet/bin/pip install --no-cache-dir /src
 
 FROM ${BASE}
+# gcc and the Python headers: Triton builds its kernel launcher with them on a kernel's first call
+# (pipeline/kernels.py; without them the postprocess runs torch's slower ops, with a warning).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 \
+ && apt-get install -y --no-install-recommends python3 gcc libc6-dev python3-dev \
  && rm -rf /var/lib/apt/lists/* \
- && useradd --create-home --uid 10001 --user-group gpudet
+ && useradd --create-home --uid 10001 --user-group gpudet \
+ && install -d -o gpudet -g gpudet /home/gpudet/.triton
 COPY --from=build /opt/gpudet /opt/gpudet
 ENV PATH=/opt/gpudet/bin:$PATH \
     PYTHONUNBUFFERED=1

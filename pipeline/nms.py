@@ -1,4 +1,5 @@
-"""Batched, exact greedy NMS in plain torch, with no host synchronisation.
+"""Batched, exact greedy NMS in torch (the suppressor matrix by a Triton kernel on a GPU:
+kernels.suppressor_words), with no host synchronisation.
 
 Greedy NMS keeps a box unless a kept box of higher score (same image, same class) overlaps it by
 more than the IoU threshold. With S[i, j] = "i ranks above j and suppresses it", the kept set is
@@ -18,6 +19,8 @@ is the "Cluster-NMS" formulation (Zheng et al., 2020) of the greedy algorithm, b
 from __future__ import annotations
 
 import torch
+
+from .kernels import suppressor_words
 
 
 # Fixed-point steps run without a host check (inside a CUDA graph). On torchvision's RetinaNet at
@@ -107,7 +110,7 @@ def batched_nms(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor
     (top-k output is). Returns keep [B, K] bool and converged [B] bool on the device: False for an
     image whose suppression chains need more than max_iterations steps (its keep is not final).
     """
-    rows = packed_bits(suppressors(boxes, classes, iou_threshold=iou_threshold))
+    rows = suppressor_words(boxes, classes, iou_threshold=iou_threshold)  # a Triton kernel on a GPU
     return fixed_point(rows, valid, max_iterations=max_iterations, sync_every=sync_every)
 
 

@@ -1,0 +1,138 @@
+"""Two Triton kernels for the heads postprocess on a GPU, each in place of a few torch ops whose
+memory traffic it avoids, with the same answer (tests/test_kernels.py):
+
+    row_max(x)              x.amax(dim=-1). RetinaNet's best class per anchor: a reduction over
+                            91 float16 values per row, an odd, unaligned row that torch's reduction
+                            reads at a fraction of the memory's bandwidth.
+    suppressor_words(...)   nms.packed_bits(nms.suppressors(...)): every pair's IoU test, packed
+                            64 to an int64 word in registers, instead of some twenty passes over
+                            [B, K, K] float32 temporaries.
+
+Triton compiles a kernel on its first call (a second or two; later processes read it from
+Triton's cache, ~/.triton/cache or TRITON_CACHE_DIR), which the postprocess makes while it warms
+up, before its CUDA graph is captured. Where Triton is missing or a kernel cannot be built, the
+torch ops run instead, with a warning. Off the GPU the torch ops run, unless TRITON_INTERPRET=1
+(Triton's interpreter: how the CPU tests check these kernels), and under torch.compile too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("gpudet")
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch without Triton (not Linux x86/aarch64): the torch ops run
+    triton = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Launch shapes: the fastest measured on an H200 (docs/BENCHMARKS.md), (rows a program, warps).
+ROW_MAX_LAUNCH = (16, 1)
+SUPPRESSOR_LAUNCH = (16, 1)
+_failed: set[str] = set()
+
+
+def _usable(name: str, *tensors: torch.Tensor) -> bool:
+    """Triton there, the kernel not failed, the tensors on a GPU, and not under torch.compile
+    (postprocess.compile: inductor writes its own kernels for the torch ops)."""
+    return triton is not None and name not in _failed and all(t.is_cuda or INTERPRET for t in tensors) and \
+        not torch.compiler.is_compiling()
+
+
+def _give_up(name: str, error: Exception) -> None:
+    _failed.add(name)
+    log.warning("postprocess: the Triton kernel %s failed, running torch's ops instead (%s: %s)", name,
+                type(error).__name__, str(error).splitlines()[0][:300] if str(error) else "")
+
+
+def row_max(x: torch.Tensor) -> torch.Tensor:
+    """x.amax(dim=-1), for a contiguous x of any shape [..., C]."""
+    if _usable("row_max", x) and x.is_contiguous() and x.numel():
+        try:
+            return _row_max(x)
+        except Exception as e:  # no C compiler for Triton's launcher, a GPU it does not know
+            _give_up("row_max", e)
+    return x.amax(dim=-1)
+
+
+def suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, *, iou_threshold: float) -> torch.Tensor:
+    """nms.packed_bits(nms.suppressors(boxes, classes, iou_threshold=...)): int64 [B, K, ceil(K / 64)],
+    bit i % 64 of word i // 64 of row j set where candidate i ranks above j (i < j), has its class
+    and overlaps it by IoU > iou_threshold. boxes [B, K, 4] x1y1x2y2, classes [B, K] int."""
+    from .nms import packed_bits, suppressors  # nms imports this module
+    if _usable("suppressor_words", boxes, classes) and boxes.numel():
+        try:
+            return _suppressor_words(boxes.float(), classes, iou_threshold)
+        except Exception as e:
+            _give_up("suppressor_words", e)
+    return packed_bits(suppressors(boxes, classes, iou_threshold=iou_threshold))
+
+
+if triton is not None:
+    @triton.jit
+    def _row_max_kernel(x_ptr, out_ptr, rows, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # A [BLOCK_R, C] tile of whole rows: one contiguous stretch of memory, read once.
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = tl.arange(0, BLOCK_C)
+        inside = r < rows
+        x = tl.load(x_ptr + r[:, None].to(tl.int64) * C + c[None, :], mask=inside[:, None] & (c[None, :] < C),
+                    other=float("-inf"))
+        tl.store(out_ptr + r, tl.max(x, axis=1), mask=inside)
+
+    @triton.jit
+    def _suppressor_words_kernel(boxes_ptr, classes_ptr, out_ptr, K, W, box_batch_stride, class_batch_stride,
+                                 threshold, BLOCK_J: tl.constexpr):
+        # Rows j of one image against the 64 candidates i of one word: the IoU in float32 as
+        # nms.box_iou_batched computes it, op for op (no fused multiply-add: see the launch).
+        b = tl.program_id(0)
+        j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
+        i = tl.program_id(2) * 64 + tl.arange(0, 64)
+        row, col = j < K, i < K
+        box = boxes_ptr + b.to(tl.int64) * box_batch_stride
+        x1j, y1j = tl.load(box + j * 4, mask=row, other=0.0), tl.load(box + j * 4 + 1, mask=row, other=0.0)
+        x2j, y2j = tl.load(box + j * 4 + 2, mask=row, other=0.0), tl.load(box + j * 4 + 3, mask=row, other=0.0)
+        x1i, y1i = tl.load(box + i * 4, mask=col, other=0.0), tl.load(box + i * 4 + 1, mask=col, other=0.0)
+        x2i, y2i = tl.load(box + i * 4 + 2, mask=col, other=0.0), tl.load(box + i * 4 + 3, mask=col, other=0.0)
+        area_j = tl.maximum(x2j - x1j, 0.0) * tl.maximum(y2j - y1j, 0.0)
+        area_i = tl.maximum(x2i - x1i, 0.0) * tl.maximum(y2i - y1i, 0.0)
+        inter = tl.maximum(tl.minimum(x2j[:, None], x2i[None, :]) - tl.maximum(x1j[:, None], x1i[None, :]), 0.0)
+        inter = inter * tl.maximum(tl.minimum(y2j[:, None], y2i[None, :]) - tl.maximum(y1j[:, None], y1i[None, :]),
+                                   0.0)
+        union = tl.maximum(area_j[:, None] + area_i[None, :] - inter, 1e-9)
+        iou = tl.math.div_rn(inter, union)  # correctly rounded, as torch's division
+        cls = classes_ptr + b.to(tl.int64) * class_batch_stride
+        same = tl.load(cls + j, mask=row, other=-1)[:, None] == tl.load(cls + i, mask=col, other=-2)[None, :]
+        hit = (iou > threshold) & same & (i[None, :] < j[:, None])
+        word = tl.sum(hit.to(tl.int64) << tl.arange(0, 64).to(tl.int64)[None, :], axis=1)  # distinct bits: an OR
+        tl.store(out_ptr + (b.to(tl.int64) * K + j) * W + tl.program_id(2), word, mask=row)
+
+
+def _row_max(x: torch.Tensor) -> torch.Tensor:
+    columns = x.shape[-1]
+    out = torch.empty(x.shape[:-1], dtype=x.dtype, device=x.device)
+    rows, (block, warps) = out.numel(), ROW_MAX_LAUNCH
+    _row_max_kernel[(triton.cdiv(rows, block),)](x, out, rows, C=columns, BLOCK_R=block,
+                                                  BLOCK_C=triton.next_power_of_2(columns), num_warps=warps)
+    return out
+
+
+def _suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, iou_threshold: float) -> torch.Tensor:
+    batch, k = boxes.shape[:2]
+    if boxes.stride(1) != 4 or boxes.stride(2) != 1:
+        boxes = boxes.contiguous()
+    if classes.stride(1) != 1:
+        classes = classes.contiguous()
+    words = -(-k // 64)
+    out = torch.empty(batch, k, words, dtype=torch.int64, device=boxes.device)
+    block, warps = SUPPRESSOR_LAUNCH
+    # enable_fp_fusion=False: inter * ... then area + area - inter stay separate roundings, as in
+    # torch's kernels (a fused multiply-add would round once and could flip a pair at the threshold)
+    _suppressor_words_kernel[(batch, triton.cdiv(k, block), words)](
+        boxes, classes, out, k, words, boxes.stride(0), classes.stride(0), float(iou_threshold), BLOCK_J=block,
+        num_warps=warps, enable_fp_fusion=False)
+    return out
