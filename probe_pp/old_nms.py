@@ -1,0 +1,149 @@
+"""Batched, exact greedy NMS in plain torch, with no host synchronisation.
+
+Greedy NMS keeps a box unless a kept box of higher score (same image, same class) overlaps it by
+more than the IoU threshold. With S[i, j] = "i ranks above j and suppresses it", the kept set is
+the fixed point of
+
+    keep[j] = not any_i (keep[i] and S[i, j])
+
+S is strictly upper-triangular in score order, so that fixed point is unique: whatever reaches
+it has the greedy answer. Iterating the map from keep = all ones gets there after at most as many
+steps as the longest chain of suppressions (each step fixes at least the next box of every chain: by
+induction, after t steps the first t boxes in score order are final). Real detections converge
+in a handful of steps; `max_iterations` bounds the work and `converged` says per image whether the
+bound was enough, as a device tensor, so the caller can check it with the copy it makes anyway. This
+is the "Cluster-NMS" formulation (Zheng et al., 2020) of the greedy algorithm, batched over images.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+# Fixed-point steps run without a host check (inside a CUDA graph). On torchvision's RetinaNet at
+# score 0 (5,000 candidates per image, the worst case) the first 1,024 candidates of the sample
+# photos converged in 5-10 steps; an image that has not is told so and finished exactly.
+NMS_STEPS = 16
+
+
+def box_iou_batched(boxes: torch.Tensor) -> torch.Tensor:
+    """boxes: [B, K, 4] x1 y1 x2 y2 -> IoU [B, K, K] (float32 boxes give float32 IoU)."""
+    x1, y1, x2, y2 = boxes.unbind(-1)  # [B, K] each: [B, K, K] temporaries only where needed
+    area = (x2 - x1).clamp(min=0) * (y2 - y1).clamp(min=0)
+    inter = (torch.minimum(x2[:, :, None], x2[:, None]) - torch.maximum(x1[:, :, None], x1[:, None])).clamp_(min=0)
+    inter *= (torch.minimum(y2[:, :, None], y2[:, None]) - torch.maximum(y1[:, :, None], y1[:, None])).clamp_(min=0)
+    union = (area[:, :, None] + area[:, None]).sub_(inter).clamp_(min=1e-9)
+    return inter.div_(union)
+
+
+def suppressors(boxes: torch.Tensor, classes: torch.Tensor, *, iou_threshold: float) -> torch.Tensor:
+    """[B, K, K] bool, by[b, j, i]: candidate i ranks above j (i < j), same class, and IoU >
+    threshold, so i suppresses j if i is kept. Row j lists j's suppressors. Validity is the fixed
+    point's: an invalid i is never kept, so it suppresses nothing."""
+    k = boxes.shape[1]
+    below = torch.ones(k, k, dtype=torch.bool, device=boxes.device).tril_(diagonal=-1)  # [j, i]: i < j
+    by = box_iou_batched(boxes.float()) > iou_threshold
+    by &= classes[:, :, None] == classes[:, None, :]
+    by &= below
+    return by
+
+
+def packed_bits(mask: torch.Tensor) -> torch.Tensor:
+    """bool [..., K] -> int64 [..., ceil(K / 64)], 64 entries of the last axis to a word (False
+    past K): 8 entries to a byte, then 8 bytes to a word, each a sum of distinct powers of two (no
+    carry, so each sum is an OR). Plain arithmetic, no reinterpreting view: it runs the same in
+    eager torch, in a CUDA graph and under torch.compile."""
+    pad = -mask.shape[-1] % 64
+    if pad:
+        mask = torch.cat([mask, mask.new_zeros(*mask.shape[:-1], pad)], dim=-1)
+    *lead, k = mask.shape
+    device = mask.device
+    ones = torch.ones(8, dtype=torch.uint8, device=device)  # made on the device: a CUDA graph can hold it
+    octets = (mask.reshape(*lead, k // 8, 8) * (ones << torch.arange(8, dtype=torch.uint8, device=device))).sum(
+        dim=-1, dtype=torch.uint8)  # [..., K / 8]
+    shifts = torch.arange(0, 64, 8, dtype=torch.int64, device=device)
+    return (octets.reshape(*lead, k // 64, 8).to(torch.int64) << shifts).sum(dim=-1)  # [..., K / 64]
+
+
+def fixed_point(by: torch.Tensor, valid: torch.Tensor, *, max_iterations: int,
+                sync_every: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Iterate keep[j] = valid[j] and no kept i in by[j] from keep = valid. Returns keep [B, K] and
+    converged [B] (the last step changed nothing for that image), both on the device. On the CPU it
+    stops as soon as every image converged; on a GPU that check is a host sync, made only every
+    `sync_every` steps when asked (0: never, run max_iterations steps).
+
+    The rows of `by` and `keep` go as bits, 64 to an int64 word: a step reads 1/8 of the bytes of
+    the bool matrix (a [16, 1024, 1024] step: 2 MB instead of 16 MB, twice), with the same logic."""
+    rows = packed_bits(by)  # [B, K, K / 64]
+    keep = previous = valid
+    check_every = 0 if torch.compiler.is_compiling() else sync_every if by.is_cuda else 1
+    for step in range(1, max_iterations + 1):
+        suppressed = (rows & packed_bits(keep)[:, None, :]).any(dim=2)  # some kept i suppresses j
+        previous, keep = keep, torch.gt(valid, suppressed)  # valid and not suppressed
+        if check_every and step % check_every == 0 and torch.equal(keep, previous):
+            break
+    return keep, (keep == previous).all(dim=1)
+
+
+def batched_nms(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor, *,
+                iou_threshold: float, max_iterations: int = NMS_STEPS,
+                sync_every: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy per-class NMS for every image of a batch at once.
+
+    boxes [B, K, 4] x1y1x2y2, scores [B, K], classes [B, K] int, valid [B, K] bool (candidates
+    that passed the score threshold). Candidates must be sorted by score, descending, per image
+    (top-k output is). Returns keep [B, K] bool and converged [B] bool on the device: False for an
+    image whose suppression chains need more than max_iterations steps (its keep is not final).
+    """
+    by = suppressors(boxes, classes, iou_threshold=iou_threshold)
+    return fixed_point(by, valid, max_iterations=max_iterations, sync_every=sync_every)
+
+
+def top_nms(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor, *,
+            iou_threshold: float, max_kept: int, prefix: int = 1024,
+            max_iterations: int = NMS_STEPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best `max_kept` boxes per image that greedy per-class NMS keeps, looking at as few
+    candidates as the answer allows.
+
+    Greedy NMS decides a box from higher-ranked boxes only, so what it keeps among the first m
+    candidates does not depend on the others. An image that keeps `max_kept` of its first
+    `prefix` candidates, or has no valid candidate after them, is settled by those alone: IoU over
+    [B, prefix, prefix] instead of [B, K, K] (K = 5,000 for RetinaNet: 25x less work).
+
+    Arguments as batched_nms (sorted by score, valid a prefix of each row). Returns keep [B, K]
+    bool (at most max_kept per image) and settled [B] bool on the device: False for an image that
+    needs the candidates after the prefix, or whose NMS did not converge in max_iterations steps;
+    give those to exact_nms.
+    """
+    k = boxes.shape[1]
+    m = min(prefix, k)
+    head, converged = batched_nms(boxes[:, :m], scores[:, :m], classes[:, :m], valid[:, :m],
+                                  iou_threshold=iou_threshold, max_iterations=max_iterations)
+    head &= torch.cumsum(head, dim=1) <= max_kept  # best first, so this caps per image
+    settled = converged & ((head.sum(dim=1) >= max_kept) | ~valid[:, m:].any(dim=1))
+    keep = torch.cat([head, torch.zeros_like(valid[:, m:])], dim=1)
+    return keep, settled
+
+
+def exact_nms(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor, *,
+              iou_threshold: float, max_kept: int, images: list[int] | None = None, keep: torch.Tensor | None = None,
+              first_prefix: int = 2048, check_every: int = 8) -> torch.Tensor:
+    """top_nms's slow path, exact whatever the data, for `images` (default all; the other rows of
+    `keep` are kept): image by image, on a prefix of the candidates that doubles until it
+    settles the image, iterating to the fixed point with a host check every `check_every` steps.
+    It syncs with the host; top_nms does not."""
+    keep = torch.zeros_like(valid) if keep is None else keep.clone()
+    counts = valid.sum(dim=1).tolist()
+    for b in range(len(valid)) if images is None else images:
+        keep[b] = False
+        count, m = counts[b], min(first_prefix, counts[b])
+        while m:
+            found, _ = batched_nms(boxes[b:b + 1, :m], scores[b:b + 1, :m], classes[b:b + 1, :m],
+                                   valid[b:b + 1, :m], iou_threshold=iou_threshold, max_iterations=m,
+                                   sync_every=check_every)
+            found = found[0] & (torch.cumsum(found[0], dim=0) <= max_kept)
+            if m == count or int(found.sum()) >= max_kept:
+                keep[b, :m] = found
+                break
+            m = min(2 * m, count)
+    return keep
