@@ -33,6 +33,7 @@ def retinaface_table() -> str:
     rows = [("the default, `retinaface_mnet025.yaml`", "retinaface_default"),
             ("the default, again on a later tree (one pass)", "retinaface_default_2"),
             ("the default, again on a later tree", "retinaface_default_3"),
+            ("the default, with the postprocess's Triton kernels", "retinaface_default_4"),
             ("the default with `postprocess.compile=true`", "retinaface_default_compiled"),
             ("`retinaface_mnet025_e2e.yaml` (NMS in the ONNX graph)", "retinaface_e2e"),
             ("before: its default (the end-to-end model)", "before_retinaface_default"),
@@ -58,7 +59,7 @@ def retinaface_table() -> str:
     return "\n".join(lines)
 
 
-DETECT_RUNS = ("detect_106288_default", "detect_106288_default_2", "detect_106288_default_3")
+DETECT_RUNS = ("detect_106288_default", "detect_106288_default_2", "detect_106288_default_3", "detect_106288_default_4")
 """The default command over 106,288 images, oldest first: the last is the README's."""
 
 
@@ -73,11 +74,12 @@ def detect_table() -> str:
                      f"{num(s['detections'])} |")
     return "\n".join(lines + [
         "", f"`gpudet detect LIST --out DIR --overwrite` (the default config, no other option), the 3,796 JPEGs "
-        f"listed 28 times, {s['device']}, {s['started'][:10]}; each row right after that tree's `gpudet bench` in "
-        "the same machine session (`scripts/gpu_check.sh retinaface`)."])
+        f"listed 28 times, {s['device']}, {s['started'][:10]}; each row but the last right after that tree's "
+        "`gpudet bench` in the same machine session (`scripts/gpu_check.sh retinaface`), the last right after "
+        "`scripts/gpu_check.sh retinanet`."])
 
 
-RETINANET = "retinanet_seeded_load"
+RETINANET = "retinanet_kernels"
 """bench_retinanet.py's report that the RetinaNet table and the README's row show."""
 
 RETINANET_BENCH_RUNS = (  # (label, report): `gpudet bench` on bench_retinanet.py's model files
@@ -145,12 +147,17 @@ RAY_RUNS = (  # (label, report, where the Ray rate starts), each machine session
     ("`--ray --workers 1 --format parquet`", "ray_106288_workers_1_parquet_3", "first image"),
     ("`--ray --workers 1`", "ray_106288_workers_1_5", "first image"), ("one process", "ray_106288_one_process_5", ""),
     ("`--ray --workers 1`", "ray_106288_workers_1_6", "first image"), ("one process", "ray_106288_one_process_6", ""),
-    ("`--ray --workers 1`", "ray_106288_workers_1_7", "first image"), ("one process", "ray_106288_one_process_7", ""))
+    ("`--ray --workers 1`", "ray_106288_workers_1_7", "first image"), ("one process", "ray_106288_one_process_7", ""),
+    ("one process", "ray_106288_one_process_8", ""), ("`--ray --workers 1`", "ray_106288_workers_1_8", "first image"),
+    ("one process", "ray_106288_one_process_9", ""), ("`--ray --workers 1`", "ray_106288_workers_1_9", "first image"))
 
 RAY_PAIRS = (("ray_106288_workers_1_3", "ray_106288_one_process_3"), ("ray_106288_workers_1_4", "ray_106288_one_process_4"),
              ("ray_106288_workers_1_5", "ray_106288_one_process_5"), ("ray_106288_workers_1_6", "ray_106288_one_process_6"),
              ("ray_106288_workers_1_7", "ray_106288_one_process_7"))
-"""The latest machine session's JSONL runs: each Ray run and the one-process run next to it."""
+"""A machine session's five JSONL pairs: each Ray run and the one-process run next to it."""
+RAY_PAIRS_LATER = (("ray_106288_workers_1_8", "ray_106288_one_process_8"),
+                   ("ray_106288_workers_1_9", "ray_106288_one_process_9"))
+"""The latest machine session's two pairs, on a later tree."""
 
 
 def ray_table() -> str:
@@ -171,6 +178,9 @@ def ray_table() -> str:
     ratios = [load(ray)["images_per_s"] / load(one)["images_per_s"] for ray, one in RAY_PAIRS]
     lines += ["", f"Tree {load(RAY_PAIRS[0][0])['tree']['commit']}'s JSONL pairs, Ray's rate over the one process's next "
               f"to it: {', '.join(f'{x:.3f}' for x in ratios)}; median **{statistics.median(ratios):.3f}x**."]
+    later = [load(ray)["images_per_s"] / load(one)["images_per_s"] for ray, one in RAY_PAIRS_LATER]
+    lines += ["", f"Tree {load(RAY_PAIRS_LATER[0][0])['tree']['commit']}'s pairs, the same way: "
+              f"{', '.join(f'{x:.3f}' for x in later)} (two pairs: no median claimed)."]
     return "\n".join(lines)
 
 
@@ -182,7 +192,8 @@ def formats_table() -> str:
         return (f"| {label} | {tree} | {num(jsonl[0])} ({jsonl[1]:.2f} s) | {num(parquet[0])} ({parquet[1]:.2f} s) | "
                 f"{parquet[0] / jsonl[0]:.2f}x |")
 
-    for report in map(load, ("retinanet_formats", "retinanet_formats_2", "retinanet_formats_3")):
+    for report in map(load, ("retinanet_formats", "retinanet_formats_2", "retinanet_formats_3", "retinanet_formats_4",
+                             RETINANET)):
         rn = report["results"]
         for label, name in (("RetinaNet, the zero-load bound", "gpudet, zero-load bound (no detection survives)"),
                             ("RetinaNet, the seeded load", "gpudet"),
