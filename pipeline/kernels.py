@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import nullcontext
 
 import torch
 
@@ -38,13 +39,23 @@ _failed: set[str] = set()
 
 
 def _usable(name: str, *tensors: torch.Tensor) -> bool:
-    """Triton there, the kernel not failed, the tensors on a GPU, and not under torch.compile
-    (postprocess.compile: inductor writes its own kernels for the torch ops)."""
-    return triton is not None and name not in _failed and all(t.is_cuda or INTERPRET for t in tensors) and \
-        not torch.compiler.is_compiling()
+    """Not under torch.compile (postprocess.compile: inductor writes its own kernels for the torch
+    ops; asked first, so that the compiled graph does not depend on what failed), Triton there,
+    the kernel not failed, the tensors on a GPU."""
+    return not torch.compiler.is_compiling() and triton is not None and name not in _failed and \
+        all(t.is_cuda or INTERPRET for t in tensors)
+
+
+def _on(device: torch.device):
+    """The tensors' GPU as the current device while a kernel launches: Triton launches on the
+    current device and its current stream (torch's ops follow their tensors; the postprocess's
+    thread starts on cuda:0, whatever GPU its detector runs on)."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def _give_up(name: str, error: Exception) -> None:
+    if isinstance(error, torch.OutOfMemoryError):  # the torch ops need more memory, not less: not a reason
+        raise error
     _failed.add(name)
     log.warning("postprocess: the Triton kernel %s failed, running torch's ops instead (%s: %s)", name,
                 type(error).__name__, str(error).splitlines()[0][:300] if str(error) else "")
@@ -54,7 +65,8 @@ def row_max(x: torch.Tensor) -> torch.Tensor:
     """x.amax(dim=-1), for a contiguous x of any shape [..., C]."""
     if _usable("row_max", x) and x.is_contiguous() and x.numel():
         try:
-            return _row_max(x)
+            with _on(x.device):
+                return _row_max(x)
         except Exception as e:  # no C compiler for Triton's launcher, a GPU it does not know
             _give_up("row_max", e)
     return x.amax(dim=-1)
@@ -67,7 +79,8 @@ def suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, *, iou_threshol
     from .nms import packed_bits, suppressors  # nms imports this module
     if _usable("suppressor_words", boxes, classes) and boxes.numel():
         try:
-            return _suppressor_words(boxes.float(), classes, iou_threshold)
+            with _on(boxes.device):
+                return _suppressor_words(boxes.float(), classes, iou_threshold)
         except Exception as e:
             _give_up("suppressor_words", e)
     return packed_bits(suppressors(boxes, classes, iou_threshold=iou_threshold))
@@ -75,20 +88,31 @@ def suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, *, iou_threshol
 
 if triton is not None:
     @triton.jit
+    def _max(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _min(a, b):
+        return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit(do_not_specialize=["rows"])
     def _row_max_kernel(x_ptr, out_ptr, rows, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # A [BLOCK_R, C] tile of whole rows: one contiguous stretch of memory, read once.
+        # A [BLOCK_R, C] tile of whole rows: one contiguous stretch of memory, read once. A row
+        # holding NaN gives NaN, as torch's amax (tl.max skips NaN).
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         c = tl.arange(0, BLOCK_C)
         inside = r < rows
         x = tl.load(x_ptr + r[:, None].to(tl.int64) * C + c[None, :], mask=inside[:, None] & (c[None, :] < C),
                     other=float("-inf"))
-        tl.store(out_ptr + r, tl.max(x, axis=1), mask=inside)
+        nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+        tl.store(out_ptr + r, tl.where(nan, float("nan"), tl.max(x, axis=1)), mask=inside)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["K", "W", "box_batch_stride", "class_batch_stride"])
     def _suppressor_words_kernel(boxes_ptr, classes_ptr, out_ptr, K, W, box_batch_stride, class_batch_stride,
                                  threshold, BLOCK_J: tl.constexpr):
         # Rows j of one image against the 64 candidates i of one word: the IoU in float32 as
-        # nms.box_iou_batched computes it, op for op (no fused multiply-add: see the launch).
+        # nms.box_iou_batched computes it, op for op (no fused multiply-add: see the launch), NaN
+        # carried through as torch's clamp, minimum and maximum carry it (so it suppresses nothing).
         b = tl.program_id(0)
         j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
         i = tl.program_id(2) * 64 + tl.arange(0, 64)
@@ -98,12 +122,11 @@ if triton is not None:
         x2j, y2j = tl.load(box + j * 4 + 2, mask=row, other=0.0), tl.load(box + j * 4 + 3, mask=row, other=0.0)
         x1i, y1i = tl.load(box + i * 4, mask=col, other=0.0), tl.load(box + i * 4 + 1, mask=col, other=0.0)
         x2i, y2i = tl.load(box + i * 4 + 2, mask=col, other=0.0), tl.load(box + i * 4 + 3, mask=col, other=0.0)
-        area_j = tl.maximum(x2j - x1j, 0.0) * tl.maximum(y2j - y1j, 0.0)
-        area_i = tl.maximum(x2i - x1i, 0.0) * tl.maximum(y2i - y1i, 0.0)
-        inter = tl.maximum(tl.minimum(x2j[:, None], x2i[None, :]) - tl.maximum(x1j[:, None], x1i[None, :]), 0.0)
-        inter = inter * tl.maximum(tl.minimum(y2j[:, None], y2i[None, :]) - tl.maximum(y1j[:, None], y1i[None, :]),
-                                   0.0)
-        union = tl.maximum(area_j[:, None] + area_i[None, :] - inter, 1e-9)
+        area_j = _max(x2j - x1j, 0.0) * _max(y2j - y1j, 0.0)
+        area_i = _max(x2i - x1i, 0.0) * _max(y2i - y1i, 0.0)
+        inter = _max(_min(x2j[:, None], x2i[None, :]) - _max(x1j[:, None], x1i[None, :]), 0.0)
+        inter = inter * _max(_min(y2j[:, None], y2i[None, :]) - _max(y1j[:, None], y1i[None, :]), 0.0)
+        union = _max(area_j[:, None] + area_i[None, :] - inter, 1e-9)
         iou = tl.math.div_rn(inter, union)  # correctly rounded, as torch's division
         cls = classes_ptr + b.to(tl.int64) * class_batch_stride
         same = tl.load(cls + j, mask=row, other=-1)[:, None] == tl.load(cls + i, mask=col, other=-2)[None, :]

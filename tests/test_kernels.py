@@ -15,13 +15,21 @@ from pipeline.nms import packed_bits, suppressors
 HERE = Path(__file__).parent
 
 
+@pytest.fixture(autouse=True)
+def no_failed_kernels(monkeypatch):
+    """Each test starts with every kernel usable (a kernel that failed is off for the process)."""
+    monkeypatch.setattr(kernels, "_failed", set())
+
+
 def check_row_max(device: str) -> None:
     generator = torch.Generator().manual_seed(0)
     for shape in ((16, 5003, 91), (3, 7, 2), (2, 130), (1, 1, 1)):
         x = (torch.randn(*shape, generator=generator) * 4).half().to(device)
         x.view(-1)[::97] = float("-inf")  # a row may hold -inf (a masked logit)
+        x.view(-1)[5::1009] = float("nan")  # and NaN (a broken model's output): the row's maximum is NaN
         got = kernels.row_max(x)
-        assert got.dtype == x.dtype and torch.equal(got, x.amax(dim=-1)), shape
+        assert got.dtype == x.dtype, shape
+        torch.testing.assert_close(got, x.amax(dim=-1), rtol=0, atol=0, equal_nan=True)  # NaN where torch's is
     assert "row_max" not in kernels._failed, "the Triton kernel fell back to torch (see the warning)"
 
 
@@ -46,6 +54,13 @@ def check_suppressor_words(device: str) -> None:
             got = kernels.suppressor_words(boxes, classes, iou_threshold=threshold)
             expected = packed_bits(suppressors(boxes, classes, iou_threshold=threshold))
             assert got.dtype == torch.int64 and torch.equal(got, expected), (batch, k, threshold)
+    # NaN and infinite corners (a broken model's boxes): torch's IoU is NaN there, which suppresses nothing
+    nan, inf = float("nan"), float("inf")
+    boxes = torch.tensor([[[0, 0, 10, 10], [nan, 0, 10, 10], [0, 0, 10, 10], [-inf, -inf, inf, inf],
+                           [-inf, -inf, inf, inf], [0, 0, inf, 10], [0, 0, inf, 10], [1, 1, 9, 9]]]).to(device)
+    classes = torch.zeros(1, len(boxes[0]), dtype=torch.long, device=device)
+    got = kernels.suppressor_words(boxes, classes, iou_threshold=0.5)
+    assert torch.equal(got, packed_bits(suppressors(boxes, classes, iou_threshold=0.5)))
     assert "suppressor_words" not in kernels._failed, "the Triton kernel fell back to torch (see the warning)"
 
 
@@ -69,9 +84,40 @@ def test_the_kernels_in_tritons_interpreter_give_the_torch_answers():
 
 
 def test_without_triton_the_torch_ops_answer(monkeypatch):
+    monkeypatch.setattr(kernels, "INTERPRET", True)  # the kernels would be asked for these CPU tensors
     monkeypatch.setattr(kernels, "triton", None)
     x = torch.randn(2, 5, 91).half()
     assert torch.equal(kernels.row_max(x), x.amax(dim=-1))
     boxes, classes = random_boxes(torch.Generator().manual_seed(2), 2, 70, False), torch.zeros(2, 70, dtype=torch.long)
     assert torch.equal(kernels.suppressor_words(boxes, classes, iou_threshold=0.5),
                        packed_bits(suppressors(boxes, classes, iou_threshold=0.5)))
+
+
+def test_a_kernel_that_fails_gives_way_to_the_torch_ops_once_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "INTERPRET", True)
+    calls = []
+
+    def broken(x):
+        calls.append(x)
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    monkeypatch.setattr(kernels, "_row_max", broken)
+    x = torch.randn(3, 4, 91).half()
+    with caplog.at_level("WARNING", logger="gpudet"):
+        assert torch.equal(kernels.row_max(x), x.amax(dim=-1))
+        assert torch.equal(kernels.row_max(x), x.amax(dim=-1))
+    assert len(calls) == 1 and kernels._failed == {"row_max"}  # tried once, then torch's ops
+    warnings = [r.getMessage() for r in caplog.records if "row_max" in r.getMessage()]
+    assert len(warnings) == 1 and "C compiler" in warnings[0], warnings
+
+
+def test_out_of_memory_is_not_a_reason_to_give_a_kernel_up(monkeypatch):
+    monkeypatch.setattr(kernels, "INTERPRET", True)
+
+    def out_of_memory(x):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(kernels, "_row_max", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        kernels.row_max(torch.randn(2, 91).half())
+    assert not kernels._failed
