@@ -6,7 +6,8 @@ memory traffic it avoids, with the same answer (tests/test_kernels.py):
                             reads at a fraction of the memory's bandwidth.
     suppressor_words(...)   nms.packed_bits(nms.suppressors(...)): every pair's IoU test, packed
                             64 to an int64 word in registers, instead of some twenty passes over
-                            [B, K, K] float32 temporaries.
+                            [B, K, K] float32 temporaries. None where it cannot run: nms has the
+                            torch ops (nms.suppressor_rows).
 
 Triton compiles a kernel on its first call (a second or two; later processes read it from
 Triton's cache, ~/.triton/cache or TRITON_CACHE_DIR), which the postprocess makes while it warms
@@ -72,18 +73,18 @@ def row_max(x: torch.Tensor) -> torch.Tensor:
     return x.amax(dim=-1)
 
 
-def suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, *, iou_threshold: float) -> torch.Tensor:
+def suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, *, iou_threshold: float) -> torch.Tensor | None:
     """nms.packed_bits(nms.suppressors(boxes, classes, iou_threshold=...)): int64 [B, K, ceil(K / 64)],
     bit i % 64 of word i // 64 of row j set where candidate i ranks above j (i < j), has its class
-    and overlaps it by IoU > iou_threshold. boxes [B, K, 4] x1y1x2y2, classes [B, K] int."""
-    from .nms import packed_bits, suppressors  # nms imports this module
+    and overlaps it by IoU > iou_threshold. boxes [B, K, 4] x1y1x2y2, classes [B, K] int. None
+    where the kernel cannot run (the caller runs the torch ops)."""
     if _usable("suppressor_words", boxes, classes) and boxes.numel():
         try:
             with _on(boxes.device):
                 return _suppressor_words(boxes.float(), classes, iou_threshold)
         except Exception as e:
             _give_up("suppressor_words", e)
-    return packed_bits(suppressors(boxes, classes, iou_threshold=iou_threshold))
+    return None
 
 
 if triton is not None:

@@ -51,6 +51,13 @@ def suppressors(boxes: torch.Tensor, classes: torch.Tensor, *, iou_threshold: fl
     return by
 
 
+def suppressor_rows(boxes: torch.Tensor, classes: torch.Tensor, *, iou_threshold: float) -> torch.Tensor:
+    """packed_bits(suppressors(...)), int64 [B, K, ceil(K / 64)]: by a Triton kernel on a GPU
+    (kernels.suppressor_words, the same bits), by these torch ops elsewhere."""
+    rows = suppressor_words(boxes, classes, iou_threshold=iou_threshold)
+    return rows if rows is not None else packed_bits(suppressors(boxes, classes, iou_threshold=iou_threshold))
+
+
 def packed_bits(mask: torch.Tensor) -> torch.Tensor:
     """bool [..., K] -> int64 [..., ceil(K / 64)], 64 entries of the last axis to a word (False
     past K): 8 entries to a byte, then 8 bytes to a word, each a sum of distinct powers of two (no
@@ -110,7 +117,7 @@ def batched_nms(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor
     (top-k output is). Returns keep [B, K] bool and converged [B] bool on the device: False for an
     image whose suppression chains need more than max_iterations steps (its keep is not final).
     """
-    rows = suppressor_words(boxes, classes, iou_threshold=iou_threshold)  # a Triton kernel on a GPU
+    rows = suppressor_rows(boxes, classes, iou_threshold=iou_threshold)
     return fixed_point(rows, valid, max_iterations=max_iterations, sync_every=sync_every)
 
 
