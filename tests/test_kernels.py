@@ -124,3 +124,29 @@ def test_out_of_memory_is_not_a_reason_to_give_a_kernel_up(monkeypatch):
     with pytest.raises(torch.OutOfMemoryError):
         kernels.row_max(torch.randn(2, 91).half())
     assert not kernels._failed
+
+
+def test_the_kernels_launch_on_their_tensors_gpu(monkeypatch):
+    """Triton launches on the current device; the postprocess's thread starts on cuda:0."""
+    on = kernels._on(torch.device("cuda", 1))  # made, not entered: no GPU needed
+    assert isinstance(on, torch.cuda.device) and on.idx == 1
+    monkeypatch.setattr(kernels, "INTERPRET", True)
+    entered, launched = [], []
+
+    class Recorder:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(kernels, "_on", Recorder)
+    monkeypatch.setattr(kernels, "_row_max", lambda x: launched.append(entered[-1]) or x.amax(dim=-1))
+    monkeypatch.setattr(kernels, "_suppressor_words", lambda *a: launched.append(entered[-1]))
+    x, boxes = torch.randn(2, 91).half(), torch.rand(1, 5, 4)
+    kernels.row_max(x)
+    kernels.suppressor_words(boxes, torch.zeros(1, 5, dtype=torch.long), iou_threshold=0.5)
+    assert launched == [x.device, boxes.device]  # each launch inside its tensors' device
