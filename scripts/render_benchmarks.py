@@ -160,6 +160,11 @@ RAY_PAIRS_LATER = (("ray_106288_workers_1_8", "ray_106288_one_process_8"),
 """The latest machine session's two pairs, on a later tree."""
 
 
+def pair_ratios(pairs: tuple[tuple[str, str], ...]) -> list[float]:
+    """Each Ray run's rate over the one-process run's beside it."""
+    return [load(ray)["images_per_s"] / load(one)["images_per_s"] for ray, one in pairs]
+
+
 def ray_table() -> str:
     lines = ["| run | tree | images | rate once running | from | wall clock |",
              "| --- | --- | --- | --- | --- | --- |"]
@@ -175,10 +180,10 @@ def ray_table() -> str:
               "comes a whole Ray batch after the actor started) or from the first image an actor took (\"first "
               "image\"), to the last row; wall clock from the start of the run (Ray's start included, the "
               "imports not)."]
-    ratios = [load(ray)["images_per_s"] / load(one)["images_per_s"] for ray, one in RAY_PAIRS]
+    ratios = pair_ratios(RAY_PAIRS)
     lines += ["", f"Tree {load(RAY_PAIRS[0][0])['tree']['commit']}'s JSONL pairs, Ray's rate over the one process's next "
               f"to it: {', '.join(f'{x:.3f}' for x in ratios)}; median **{statistics.median(ratios):.3f}x**."]
-    later = [load(ray)["images_per_s"] / load(one)["images_per_s"] for ray, one in RAY_PAIRS_LATER]
+    later = pair_ratios(RAY_PAIRS_LATER)
     lines += ["", f"Tree {load(RAY_PAIRS_LATER[0][0])['tree']['commit']}'s pairs, the same way: "
               f"{', '.join(f'{x:.3f}' for x in later)} (two pairs: no median claimed)."]
     return "\n".join(lines)

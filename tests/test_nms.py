@@ -126,7 +126,8 @@ def test_the_packed_fixed_point_is_the_boolean_one(device, k):
         keep = previous = valid
         for _ in range(steps):
             previous, keep = keep, valid & ~(by & keep[:, None, :]).any(dim=2)
-        got, converged = fixed_point(packed_bits(by), valid, max_iterations=steps)  # (the CPU stops once nothing changes)
+        # (on the CPU fixed_point stops once nothing changes)
+        got, converged = fixed_point(packed_bits(by), valid, max_iterations=steps)
         assert torch.equal(got, keep) and torch.equal(converged, (keep == previous).all(dim=1))
 
 
