@@ -26,7 +26,7 @@ import torch
 
 from .config import Config, RunConfig, check_thresholds, load_config, option_overrides, resolve_model_path
 from .device import Device, free_bytes, resolve_device
-from .engine import Engine, Launched, detect_contract, landmark_points, model_record
+from .engine import ORT_TO_TORCH, Engine, Launched, detect_contract, landmark_points, model_record
 from .errors import ConfigError
 from .postprocess import DeviceDetections, EndToEnd, GraphCache, RetinaNetHeads, SsdHeads, Thresholds, image_meta
 from .preprocess import PreprocessedBatch, Preprocessor, preprocess_stream
@@ -103,12 +103,6 @@ class Detector:
         height, width = image.size_hw or tuple(p.size)
         check_memory(target, batch_size=config.run.batch_size, height=height, width=width,
                      value_bytes=2 if image.dtype == "float16" else 4, batches=r.prefetch_batches + r.pipeline_depth)
-        preprocessor = Preprocessor(
-            device=target, batch_size=config.run.batch_size, num_threads=r.num_threads, height=height, width=width,
-            resize=p.resize, channel_order=p.channel_order, mean=p.mean, std=p.std, pad_value=p.pad_value,
-            dtype=image.dtype, layout=image.layout, decoder=p.decoder, hw_decoder_load=p.hw_decoder_load,
-            # On the GPU a new batch shape costs a cuDNN search; a static-batch model takes no other.
-            pad_partial_batches=target.is_cuda or image.batch is not None)
         if contract == "end_to_end":
             postprocess = EndToEnd(num_landmarks=landmarks)
         elif contract == "ssd_heads":
@@ -118,6 +112,14 @@ class Detector:
         else:
             postprocess = RetinaNetHeads.from_metadata(engine.metadata, engine.model_path, target.torch,
                                                        compile=q.compile)
+        # its GPU kernels compile on a thread while DALI builds its pipeline and ORT warms up
+        postprocess.compile_ahead({o.name: (ORT_TO_TORCH.get(o.dtype), o.shape) for o in engine.outputs})
+        preprocessor = Preprocessor(
+            device=target, batch_size=config.run.batch_size, num_threads=r.num_threads, height=height, width=width,
+            resize=p.resize, channel_order=p.channel_order, mean=p.mean, std=p.std, pad_value=p.pad_value,
+            dtype=image.dtype, layout=image.layout, decoder=p.decoder, hw_decoder_load=p.hw_decoder_load,
+            # On the GPU a new batch shape costs a cuDNN search; a static-batch model takes no other.
+            pad_partial_batches=target.is_cuda or image.batch is not None)
         return cls(engine=engine, preprocessor=preprocessor, postprocess=postprocess, contract=contract,
                    thresholds=Thresholds(q.score_threshold, q.iou_threshold, q.max_detections), labels=m.labels,
                    num_threads=r.num_threads, max_pixels=p.max_pixels, max_file_bytes=p.max_file_mb << 20,

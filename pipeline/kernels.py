@@ -10,9 +10,11 @@ memory traffic it avoids, with the same answer (tests/test_kernels.py):
                             torch ops (nms.suppressor_rows).
 
 Triton compiles a kernel on its first call (a second or two; later processes read it from
-Triton's cache, ~/.triton/cache or TRITON_CACHE_DIR), which the postprocess makes while it warms
-up, before its CUDA graph is captured. Where Triton is missing or a kernel cannot be built, the
-torch ops run instead, with a warning. Off the GPU the torch ops run, unless TRITON_INTERPRET=1
+Triton's cache, ~/.triton/cache or TRITON_CACHE_DIR). `compile_ahead` starts that compile on a
+thread of its own while the rest of the detector is built (DALI's pipeline, ORT's warm-up); the
+first call waits for it, then loads the kernel, while the postprocess warms up, before its CUDA
+graph is captured. Where Triton is missing or a kernel cannot be built, the torch ops run
+instead, with a warning. Off the GPU the torch ops run, unless TRITON_INTERPRET=1
 (Triton's interpreter: how the CPU tests check these kernels), and under torch.compile too.
 """
 
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections.abc import Iterable
 from contextlib import nullcontext
 
 import torch
@@ -37,6 +41,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROW_MAX_LAUNCH = (16, 1)
 SUPPRESSOR_LAUNCH = (16, 1)
 _failed: set[str] = set()
+_ahead: dict[torch.device, list[threading.Thread]] = {}
+_ahead_lock = threading.Lock()
 
 
 def _usable(name: str, *tensors: torch.Tensor) -> bool:
@@ -62,10 +68,51 @@ def _give_up(name: str, error: Exception) -> None:
                 type(error).__name__, str(error).splitlines()[0][:300] if str(error) else "")
 
 
+def compile_ahead(device: torch.device, *, row_max_inputs: Iterable[tuple[torch.dtype, int]] = ()) -> None:
+    """Compile, on a thread of its own, the kernels a postprocess on `device` will launch:
+    suppressor_words, and row_max for each (dtype, C) of its input's [..., C]. Compiling launches
+    nothing and loads nothing onto the GPU, so it can run beside ORT's warm-up and the CUDA graph
+    ORT captures there. A kernel's first call waits for this thread. A compile that fails here is
+    left for that first call to meet and report."""
+    if triton is None or INTERPRET or device.type != "cuda":
+        return
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    torch.cuda.get_device_capability(device)  # CUDA's and Triton's device queries settle here, not in the thread
+    # Each launch's specialisation as a call makes it: dtypes; data pointers aligned, as torch
+    # allocates them (MockTensor's 0); the sizes and strides in int32, as any batch gives them.
+    jobs = [("row_max", _row_max_kernel, (dtype, dtype, 1 << 20), _row_max_constants(columns))
+            for dtype, columns in row_max_inputs]
+    jobs.append(("suppressor_words", _suppressor_words_kernel,
+                 (torch.float32, torch.int64, torch.int64, 1024, 16, 4096, 1024, 0.5), _suppressor_words_constants()))
+
+    def compile_all():
+        with torch.cuda.device(device):
+            for name, kernel, args, constants in jobs:
+                try:
+                    kernel.warmup(*args, grid=(1,), **constants)
+                except Exception as e:  # the first call compiles again and reports it (_give_up)
+                    log.debug("postprocess: compiling %s ahead failed (%s: %s)", name, type(e).__name__, e)
+
+    thread = threading.Thread(target=compile_all, name="gpudet-kernels", daemon=True)
+    with _ahead_lock:
+        _ahead.setdefault(device, []).append(thread)
+    thread.start()
+
+
+def _compiled_ahead(device: torch.device) -> None:
+    """Wait for compile_ahead's threads for `device`, if any run."""
+    if _ahead:
+        with _ahead_lock:
+            threads = _ahead.pop(device, [])
+        for thread in threads:
+            thread.join()
+
+
 def row_max(x: torch.Tensor) -> torch.Tensor:
     """x.amax(dim=-1), for a contiguous x of any shape [..., C]."""
     if _usable("row_max", x) and x.is_contiguous() and x.numel():
         try:
+            _compiled_ahead(x.device)
             with _on(x.device):
                 return _row_max(x)
         except Exception as e:  # no C compiler for Triton's launcher, a GPU it does not know
@@ -80,6 +127,7 @@ def suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, *, iou_threshol
     where the kernel cannot run (the caller runs the torch ops)."""
     if _usable("suppressor_words", boxes, classes) and boxes.numel():
         try:
+            _compiled_ahead(boxes.device)
             with _on(boxes.device):
                 return _suppressor_words(boxes.float(), classes, iou_threshold)
         except Exception as e:
@@ -136,13 +184,23 @@ if triton is not None:
         tl.store(out_ptr + (b.to(tl.int64) * K + j) * W + tl.program_id(2), word, mask=row)
 
 
+def _row_max_constants(columns: int) -> dict:
+    block, warps = ROW_MAX_LAUNCH
+    return dict(C=columns, BLOCK_R=block, BLOCK_C=triton.next_power_of_2(columns), num_warps=warps)
+
+
 def _row_max(x: torch.Tensor) -> torch.Tensor:
-    columns = x.shape[-1]
     out = torch.empty(x.shape[:-1], dtype=x.dtype, device=x.device)
-    rows, (block, warps) = out.numel(), ROW_MAX_LAUNCH
-    _row_max_kernel[(triton.cdiv(rows, block),)](x, out, rows, C=columns, BLOCK_R=block,
-                                                  BLOCK_C=triton.next_power_of_2(columns), num_warps=warps)
+    rows = out.numel()
+    _row_max_kernel[(triton.cdiv(rows, ROW_MAX_LAUNCH[0]),)](x, out, rows, **_row_max_constants(x.shape[-1]))
     return out
+
+
+def _suppressor_words_constants() -> dict:
+    block, warps = SUPPRESSOR_LAUNCH
+    # enable_fp_fusion=False: inter * ... then area + area - inter stay separate roundings, as in
+    # torch's kernels (a fused multiply-add would round once and could flip a pair at the threshold)
+    return dict(BLOCK_J=block, num_warps=warps, enable_fp_fusion=False)
 
 
 def _suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, iou_threshold: float) -> torch.Tensor:
@@ -153,10 +211,7 @@ def _suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, iou_threshold:
         classes = classes.contiguous()
     words = -(-k // 64)
     out = torch.empty(batch, k, words, dtype=torch.int64, device=boxes.device)
-    block, warps = SUPPRESSOR_LAUNCH
-    # enable_fp_fusion=False: inter * ... then area + area - inter stay separate roundings, as in
-    # torch's kernels (a fused multiply-add would round once and could flip a pair at the threshold)
-    _suppressor_words_kernel[(batch, triton.cdiv(k, block), words)](
-        boxes, classes, out, k, words, boxes.stride(0), classes.stride(0), float(iou_threshold), BLOCK_J=block,
-        num_warps=warps, enable_fp_fusion=False)
+    _suppressor_words_kernel[(batch, triton.cdiv(k, SUPPRESSOR_LAUNCH[0]), words)](
+        boxes, classes, out, k, words, boxes.stride(0), classes.stride(0), float(iou_threshold),
+        **_suppressor_words_constants())
     return out

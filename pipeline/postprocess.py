@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .errors import ModelError
-from .kernels import row_max
+from .kernels import compile_ahead, row_max
 from .nms import NMS_STEPS, batched_nms, exact_nms, top_nms
 from .results import Detections
 
@@ -102,6 +102,9 @@ class EndToEnd:
 
     def __init__(self, *, num_landmarks: int):
         self.num_landmarks = num_landmarks
+
+    def compile_ahead(self, outputs: dict[str, tuple[torch.dtype, tuple]]) -> None:
+        """Nothing to compile: the model's graph did the work."""
 
     def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, num_images: int,
                  thresholds: Thresholds) -> DeviceDetections:
@@ -366,6 +369,11 @@ class SsdHeads:
         self.reader = BlockReader()
         self._packed = maybe_compiled(self.packed, device, compile)
 
+    def compile_ahead(self, outputs: dict[str, tuple[torch.dtype, tuple]]) -> None:
+        """Start compiling the Triton kernel NMS launches on a GPU (kernels.compile_ahead).
+        outputs: the model's outputs by name, (dtype, shape)."""
+        compile_ahead(self.device)
+
     def anchors(self, height: int, width: int) -> torch.Tensor:
         """[A, 4] (cx, cy, w, h) in input pixels, in the heads' order: per stride, row, column, size."""
         key = (height, width)
@@ -535,6 +543,13 @@ class RetinaNetHeads:
             raise ModelError(f"{model_path}: a retinanet_heads model needs its anchor layout in the metadata key "
                              f"{RETINANET_METADATA!r}; export it with scripts/export_retinanet.py")
         return cls(layout=json.loads(metadata[RETINANET_METADATA]), device=device, compile=compile)
+
+    def compile_ahead(self, outputs: dict[str, tuple[torch.dtype, tuple]]) -> None:
+        """Start compiling the Triton kernels this postprocess launches on a GPU (the best class
+        per anchor over cls_logits' classes, NMS; kernels.compile_ahead). outputs: the model's
+        outputs by name, (dtype, shape)."""
+        dtype, shape = outputs["cls_logits"]
+        compile_ahead(self.device, row_max_inputs=[(dtype, shape[-1])] if isinstance(shape[-1], int) else [])
 
     def candidates(self, logits: torch.Tensor, regression: torch.Tensor):
         """Per image, the top-k of every level, best first: scores [B, C], labels [B, C],

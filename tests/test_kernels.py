@@ -76,6 +76,45 @@ def test_suppressor_words_on_the_gpu_are_the_packed_torch_suppressors():
     check_suppressor_words("cuda")
 
 
+def check_compiled_ahead() -> None:
+    """compile_ahead compiles each kernel as its first call specialises it: the calls after it
+    compile nothing more. Run in a fresh process (nothing compiled yet)."""
+    device = torch.device("cuda", 0)
+    kernels.compile_ahead(device, row_max_inputs=[(torch.float16, 37)])  # 37 classes: a variant no call made
+    assert kernels._ahead[device], "compile_ahead started no thread"
+    kernels._compiled_ahead(device)
+    # Triton's compiled variants of a kernel for a device (the first entry of its per-device caches)
+    compiled = [len(kernel.device_caches[0][0]) for kernel in (kernels._row_max_kernel,
+                                                                kernels._suppressor_words_kernel)]
+    assert compiled == [1, 1], compiled
+    x = torch.randn(16, 5003, 37, device=device).half()
+    torch.testing.assert_close(kernels.row_max(x), x.amax(dim=-1), rtol=0, atol=0)
+    generator = torch.Generator().manual_seed(2)
+    boxes, classes = random_boxes(generator, 2, 310, False).to(device), torch.zeros(2, 310, dtype=torch.long)
+    classes = classes.to(device)
+    for k in (300, 64, 1):  # prefixes, as top_nms and exact_nms pass them
+        got = kernels.suppressor_words(boxes[:, :k], classes[:, :k], iou_threshold=0.45)
+        assert torch.equal(got, packed_bits(suppressors(boxes[:, :k], classes[:, :k], iou_threshold=0.45)))
+    after = [len(kernel.device_caches[0][0]) for kernel in (kernels._row_max_kernel, kernels._suppressor_words_kernel)]
+    assert after == compiled, f"the calls compiled variants compile_ahead did not: {compiled} -> {after}"
+    assert not kernels._failed
+
+
+@pytest.mark.cuda
+def test_compile_ahead_compiles_what_the_first_calls_launch(tmp_path):
+    code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_kernels as t; t.check_compiled_ahead()"
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path)},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def test_compile_ahead_off_the_gpu_starts_nothing(monkeypatch):
+    monkeypatch.setattr(kernels, "_ahead", {})
+    kernels.compile_ahead(torch.device("cpu"), row_max_inputs=[(torch.float16, 91)])
+    assert not kernels._ahead
+    kernels._compiled_ahead(torch.device("cpu"))  # nothing to wait for
+
+
 @pytest.mark.skipif(kernels.triton is None, reason="Triton is not installed beside torch")
 def test_the_kernels_in_tritons_interpreter_give_the_torch_answers():
     code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_kernels as t; " \
