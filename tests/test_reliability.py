@@ -317,11 +317,14 @@ def test_soak_host_memory_stays_flat(tmp_path):
     assert len(read_jsonl(out)) == 6000
     # Resident memory rises for the first ~3,000 images as allocators settle; "flat" is judged
     # after that, while the run writes records: once all 6,000 are written the process tears down
-    # (DALI, ORT, torch), which moves RSS without being the run's growth.
-    warm = [rss for written, rss in samples if 3000 <= written < 4000]
-    late = [(rss, written) for written, rss in samples if 5500 <= written < 6000]
+    # (DALI, ORT, torch), which moves RSS without being the run's growth. The windows' medians
+    # are compared, not their peaks: a leak raises every sample after it, an allocator's
+    # transient peak one or two (40 MiB over the ~2,000 images between the windows: a leak of
+    # 20 KB an image, less than one decoded 128x128 input, fails).
+    warm = sorted(rss for written, rss in samples if 3000 <= written < 4000)
+    late = sorted(rss for written, rss in samples if 5500 <= written < 6000)
     assert warm and late, samples[-5:]
-    print(f"RSS after 3000-4000 images {max(warm):.0f} MiB, after 5500-5999 {max(late)[0]:.0f} MiB, peak "
+    warm_level, late_level = warm[len(warm) // 2], late[len(late) // 2]
+    print(f"RSS median after 3000-4000 images {warm_level:.0f} MiB, after 5500-5999 {late_level:.0f} MiB, peak "
           f"{max(r for _, r in samples):.0f} MiB")
-    assert max(late)[0] - max(warm) < 40, (max(warm), "(RSS, records written) at the late peak:", max(late),
-                                           "last samples:", samples[-5:])
+    assert late_level - warm_level < 40, (warm_level, late_level, "late window:", late, "last samples:", samples[-5:])
