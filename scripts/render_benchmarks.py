@@ -34,6 +34,7 @@ def retinaface_table() -> str:
             ("the default, again on a later tree (one pass)", "retinaface_default_2"),
             ("the default, again on a later tree", "retinaface_default_3"),
             ("the default, with the postprocess's Triton kernels", "retinaface_default_4"),
+            ("the default, the kernels compiled while the rest sets up", "retinaface_default_5"),
             ("the default with `postprocess.compile=true`", "retinaface_default_compiled"),
             ("`retinaface_mnet025_e2e.yaml` (NMS in the ONNX graph)", "retinaface_e2e"),
             ("before: its default (the end-to-end model)", "before_retinaface_default"),
@@ -59,7 +60,8 @@ def retinaface_table() -> str:
     return "\n".join(lines)
 
 
-DETECT_RUNS = ("detect_106288_default", "detect_106288_default_2", "detect_106288_default_3", "detect_106288_default_4")
+DETECT_RUNS = ("detect_106288_default", "detect_106288_default_2", "detect_106288_default_3", "detect_106288_default_4",
+               "detect_106288_default_5")
 """The default command over 106,288 images, oldest first: the last is the README's."""
 
 
@@ -74,13 +76,17 @@ def detect_table() -> str:
                      f"{num(s['detections'])} |")
     return "\n".join(lines + [
         "", f"`gpudet detect LIST --out DIR --overwrite` (the default config, no other option), the 3,796 JPEGs "
-        f"listed 28 times, {s['device']}, {s['started'][:10]}; each row but the last right after that tree's "
-        "`gpudet bench` in the same machine session (`scripts/gpu_check.sh retinaface`), the last right after "
+        f"listed 28 times, {s['device']}, {s['started'][:10]}; each row right after that tree's `gpudet bench` in "
+        "the same machine session (`scripts/gpu_check.sh retinaface`), but 4024a8d's, right after "
         "`scripts/gpu_check.sh retinanet`."])
 
 
-RETINANET = "retinanet_kernels"
+RETINANET = "retinanet_compile_ahead"
 """bench_retinanet.py's report that the RetinaNet table and the README's row show."""
+RETINANET_AGAIN = "retinanet_compile_ahead_2"
+"""The same command, the same tree, later in the same machine session."""
+RETINANET_EARLIER = "retinanet_kernels"
+"""The same command on the tree that brought the postprocess's Triton kernels."""
 
 RETINANET_BENCH_RUNS = (  # (label, report): `gpudet bench` on bench_retinanet.py's model files
     ("before", "before_retinanet_gpudet_bench"), ("now", "retinanet_gpudet_bench"),
@@ -98,7 +104,15 @@ def retinanet_table() -> str:
         lines.append(f"| {name} | **{num(row['images_per_s'], 1)}** | {row.get('detections_per_image', '')} | "
                      f"{row.get('setup_s', '')}{' s' if 'setup_s' in row else ''} | "
                      f"{row.get('wall_s', '')}{' s' if 'wall_s' in row else ''} |")
-    lines += ["", "Ratios, from this run: " + "; ".join(f"{k} **{v:.2f}x**" for k, v in r["ratios"].items()) + ".",
+    lines += ["", "Ratios, from this run: " + "; ".join(f"{k} **{v:.3f}x**" for k, v in r["ratios"].items()) + "."]
+    for name, when in ((RETINANET_AGAIN, "The same command again, later in the same machine session"),
+                       (RETINANET_EARLIER, "The same command at an earlier tree")):
+        other = load(name)
+        lines += ["", f"{when} (tree {other['tree']['commit']}, {other['date'][:10]}): gpudet "
+                  f"{num(other['results']['gpudet']['images_per_s'], 1)} img/s; "
+                  + "; ".join(f"{k} {other['ratios'][k]:.3f}x" for k in ("gpudet / ort alone", "gpudet / pytorch strong",
+                                                                        "gpudet / pytorch usual")) + "."]
+    lines += [
               "", f"{r['images']} JPEGs, batch {r['batch_size']}, {r['size_hw'][0]}x{r['size_hw'][1]}, fp16, "
               f"{r['machine']['gpus'][0]}, {r['machine']['cores']} cores; torch {r['machine']['torch']}, onnxruntime "
               f"{r['machine']['onnxruntime']}, DALI {r['machine']['dali']}; tree {r['tree']['commit']}; {r['date'][:10]}. "
@@ -149,7 +163,9 @@ RAY_RUNS = (  # (label, report, where the Ray rate starts), each machine session
     ("`--ray --workers 1`", "ray_106288_workers_1_6", "first image"), ("one process", "ray_106288_one_process_6", ""),
     ("`--ray --workers 1`", "ray_106288_workers_1_7", "first image"), ("one process", "ray_106288_one_process_7", ""),
     ("one process", "ray_106288_one_process_8", ""), ("`--ray --workers 1`", "ray_106288_workers_1_8", "first image"),
-    ("one process", "ray_106288_one_process_9", ""), ("`--ray --workers 1`", "ray_106288_workers_1_9", "first image"))
+    ("one process", "ray_106288_one_process_9", ""), ("`--ray --workers 1`", "ray_106288_workers_1_9", "first image"),
+    ("one process", "ray_106288_one_process_10", ""), ("`--ray --workers 1`", "ray_106288_workers_1_10", "first image"),
+    ("one process", "ray_106288_one_process_11", ""), ("`--ray --workers 1`", "ray_106288_workers_1_11", "first image"))
 
 RAY_PAIRS = (("ray_106288_workers_1_3", "ray_106288_one_process_3"), ("ray_106288_workers_1_4", "ray_106288_one_process_4"),
              ("ray_106288_workers_1_5", "ray_106288_one_process_5"), ("ray_106288_workers_1_6", "ray_106288_one_process_6"),
@@ -157,7 +173,10 @@ RAY_PAIRS = (("ray_106288_workers_1_3", "ray_106288_one_process_3"), ("ray_10628
 """A machine session's five JSONL pairs: each Ray run and the one-process run next to it."""
 RAY_PAIRS_LATER = (("ray_106288_workers_1_8", "ray_106288_one_process_8"),
                    ("ray_106288_workers_1_9", "ray_106288_one_process_9"))
-"""The latest machine session's two pairs, on a later tree."""
+"""A later machine session's two pairs, on a later tree."""
+RAY_PAIRS_LATEST = (("ray_106288_workers_1_10", "ray_106288_one_process_10"),
+                    ("ray_106288_workers_1_11", "ray_106288_one_process_11"))
+"""The latest machine session's two pairs, on a later tree again."""
 
 
 def pair_ratios(pairs: tuple[tuple[str, str], ...]) -> list[float]:
@@ -183,9 +202,12 @@ def ray_table() -> str:
     ratios = pair_ratios(RAY_PAIRS)
     lines += ["", f"Tree {load(RAY_PAIRS[0][0])['tree']['commit']}'s JSONL pairs, Ray's rate over the one process's next "
               f"to it: {', '.join(f'{x:.3f}' for x in ratios)}; median **{statistics.median(ratios):.3f}x**."]
-    later = pair_ratios(RAY_PAIRS_LATER)
-    lines += ["", f"Tree {load(RAY_PAIRS_LATER[0][0])['tree']['commit']}'s pairs, the same way: "
-              f"{', '.join(f'{x:.3f}' for x in later)} (two pairs: no median claimed)."]
+    for pairs in (RAY_PAIRS_LATER, RAY_PAIRS_LATEST):
+        lines += ["", f"Tree {load(pairs[0][0])['tree']['commit']}'s pairs, the same way: "
+                  f"{', '.join(f'{x:.3f}' for x in pair_ratios(pairs))}."]
+    every = pair_ratios(RAY_PAIRS + RAY_PAIRS_LATER + RAY_PAIRS_LATEST)
+    lines += ["", f"All {len(every)} JSONL pairs of the three trees, pooled: median "
+              f"**{statistics.median(every):.3f}x**, from {min(every):.3f} to {max(every):.3f}."]
     return "\n".join(lines)
 
 
@@ -198,7 +220,7 @@ def formats_table() -> str:
                 f"{parquet[0] / jsonl[0]:.2f}x |")
 
     for report in map(load, ("retinanet_formats", "retinanet_formats_2", "retinanet_formats_3", "retinanet_formats_4",
-                             RETINANET)):
+                             RETINANET_EARLIER, RETINANET, RETINANET_AGAIN)):
         rn = report["results"]
         for label, name in (("RetinaNet, the zero-load bound", "gpudet, zero-load bound (no detection survives)"),
                             ("RetinaNet, the seeded load", "gpudet"),
@@ -236,12 +258,41 @@ def speed_table() -> str:
         f"{rn['ratios']['gpudet / naive']:.0f}x the naive loop |"])
 
 
+SETUP_PHASES = "setup_phases_compile_ahead"
+"""Detector.from_config's phases, run by run: the tree before kernels.compile_ahead and the tree with it."""
+
+
+def setup_table() -> str:
+    r = load(SETUP_PHASES)
+    lines = ["| model | Triton's cache | tree | ready after | DALI's pipeline | ORT's warm-up | the postprocess's warm-up | "
+             "the kernels' compile, on its thread |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def took(phases: dict, name: str) -> str:
+        start, end = phases[name][0][0], phases[name][-1][1]
+        return f"{end - start:.2f} s"
+
+    for run in r["runs"]:
+        if run["tag"].startswith("prime"):
+            continue
+        phases, tree = run["r"]["phases"], r["trees"][run["tree"]]["commit"]
+        ahead = phases.get("compile_ahead")
+        lines.append(f"| {'RetinaFace' if run['tag'].startswith('rf') else 'RetinaNet'} | {run['cache']} | {tree} | "
+                     f"**{run['r']['from_config']:.2f} s** | {took(phases, 'dali')} | {took(phases, 'engine_warm_up')} | "
+                     f"{took(phases, 'postprocess_warm_up')} | "
+                     f"{f'from {ahead[0][0]:.2f} to {ahead[-1][1]:.2f} s' if ahead else ''} |")
+    lines += ["", f"{r['what']}; rows in the order they ran, the trees alternating, one machine session "
+              f"({r['machine']['gpus'][0]}, {r['date'][:10]}). RetinaFace: {r['configs']['rf']}; RetinaNet: "
+              f"`{r['configs']['rn']}`. Triton's cache warm: {r['caches']['warm']}; cold: {r['caches']['cold']}. The "
+              "imports before it (torch, then gpudet) are not in these times."]
+    return "\n".join(lines)
+
+
 def shorten(command: str) -> str:
     return re.sub(r"--json \S+|/\S*/(?=\S+\.(txt|py))", "", command).replace("  ", " ").strip()
 
 
-SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "retinanet": retinanet_table, "ray": ray_table,
-            "formats": formats_table}
+SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "setup": setup_table, "retinanet": retinanet_table,
+            "ray": ray_table, "formats": formats_table}
 
 
 def render(text: str, sections: dict) -> str:
