@@ -287,12 +287,25 @@ def setup_table() -> str:
     return "\n".join(lines)
 
 
+def threads_table() -> str:
+    r = load("retinaface_threads_decoder")
+    lines = ["| `--set` | gpudet loop img/s (each pass) | DALI alone | ORT alone | GPU busy |", "| --- | --- | --- | --- | --- |"]
+    for run in r["runs"]:
+        rates = run["images_per_s"]
+        lines.append(f"| {run['set'].replace('--set ', '') or 'none (the default)'} | "
+                     f"{', '.join(num(p) for p in run['gpudet_passes_images_per_s'])} | {num(rates['preprocess'])} | "
+                     f"{num(rates['model'])} | {run['gpu_utilisation_percent']:.0f}% |")
+    return "\n".join(lines + ["", f"{r['what']}; {r['machine']['gpus'][0]}, tree {r['tree']['commit']}, "
+                               f"{r['runs'][0]['date'][:10]}. Command: `{shorten(r['runs'][0]['command'])}`, "
+                               "`--set` as the row says."])
+
+
 def shorten(command: str) -> str:
     return re.sub(r"--json \S+|/\S*/(?=\S+\.(txt|py))", "", command).replace("  ", " ").strip()
 
 
 SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "setup": setup_table, "retinanet": retinanet_table,
-            "ray": ray_table, "formats": formats_table}
+            "ray": ray_table, "formats": formats_table, "threads": threads_table}
 
 
 def render(text: str, sections: dict) -> str:
