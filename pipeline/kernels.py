@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 
 import torch
@@ -77,9 +77,11 @@ def compile_ahead(device: torch.device, *, row_max_inputs: Iterable[tuple[torch.
     if triton is None or INTERPRET or device.type != "cuda":
         return
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    torch.cuda.get_device_capability(device)  # CUDA's and Triton's device queries settle here, not in the thread
-    # Each launch's specialisation as a call makes it: dtypes; data pointers aligned, as torch
-    # allocates them (MockTensor's 0); the sizes and strides in int32, as any batch gives them.
+    torch.cuda.get_device_capability(device)  # torch's CUDA state and device properties: here, not on the thread
+    # Each launch's specialisation as the calls make it: dtypes; data pointers aligned (MockTensor's
+    # 0), as torch allocates tensors and as every call but one passes them (exact_nms's slice of an
+    # odd image of an odd number of candidates starts off 16 bytes and compiles its own variant);
+    # sizes and strides in int32, as any batch gives them.
     jobs = [("row_max", _row_max_kernel, (dtype, dtype, 1 << 20), _row_max_constants(columns))
             for dtype, columns in row_max_inputs]
     jobs.append(("suppressor_words", _suppressor_words_kernel,
@@ -93,7 +95,15 @@ def compile_ahead(device: torch.device, *, row_max_inputs: Iterable[tuple[torch.
                 except Exception as e:  # the first call compiles again and reports it (_give_up)
                     log.debug("postprocess: compiling %s ahead failed (%s: %s)", name, type(e).__name__, e)
 
-    thread = threading.Thread(target=compile_all, name="gpudet-kernels", daemon=True)
+    _in_background(device, compile_all)
+
+
+def _in_background(device: torch.device, work: Callable[[], None]) -> None:
+    """work() on a thread that the first kernel call on `device` waits for. Not a daemon thread:
+    Triton's compiler lets go of the GIL, and a daemon thread that takes it back while the
+    interpreter exits (a setup that failed, a Ctrl-C) aborts the process; an exit waits for the
+    compile instead, seconds at most."""
+    thread = threading.Thread(target=work, name="gpudet-kernels")
     with _ahead_lock:
         _ahead.setdefault(device, []).append(thread)
     thread.start()

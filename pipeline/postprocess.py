@@ -371,8 +371,10 @@ class SsdHeads:
 
     def compile_ahead(self, outputs: dict[str, tuple[torch.dtype, tuple]]) -> None:
         """Start compiling the Triton kernel NMS launches on a GPU (kernels.compile_ahead).
-        outputs: the model's outputs by name, (dtype, shape)."""
-        compile_ahead(self.device)
+        outputs: the model's outputs by name, (dtype, shape). Not under postprocess.compile,
+        whose inductor writes kernels of its own."""
+        if not isinstance(self._packed, Compiled):
+            compile_ahead(self.device)
 
     def anchors(self, height: int, width: int) -> torch.Tensor:
         """[A, 4] (cx, cy, w, h) in input pixels, in the heads' order: per stride, row, column, size."""
@@ -547,7 +549,10 @@ class RetinaNetHeads:
     def compile_ahead(self, outputs: dict[str, tuple[torch.dtype, tuple]]) -> None:
         """Start compiling the Triton kernels this postprocess launches on a GPU (the best class
         per anchor over cls_logits' classes, NMS; kernels.compile_ahead). outputs: the model's
-        outputs by name, (dtype, shape)."""
+        outputs by name, (dtype, shape). Not under postprocess.compile, whose inductor writes
+        kernels of its own."""
+        if isinstance(self._packed, Compiled):
+            return
         dtype, shape = outputs["cls_logits"]
         compile_ahead(self.device, row_max_inputs=[(dtype, shape[-1])] if isinstance(shape[-1], int) else [])
 

@@ -115,6 +115,36 @@ def test_compile_ahead_off_the_gpu_starts_nothing(monkeypatch):
     kernels._compiled_ahead(torch.device("cpu"))  # nothing to wait for
 
 
+EXIT_WHILE_COMPILING = """
+import sys, time
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pipeline import kernels
+
+# compile_ahead's work for one kernel, for an H100/H200 (sm_90): Triton compiles for a GPU without one
+signature = {"boxes_ptr": "*fp32", "classes_ptr": "*i64", "out_ptr": "*i64", "K": "i32", "W": "i32",
+             "box_batch_stride": "i32", "class_batch_stride": "i32", "threshold": "fp32", "BLOCK_J": "constexpr"}
+kernels._in_background(torch.device("cuda", 0), lambda: triton.compile(
+    ASTSource(kernels._suppressor_words_kernel, signature, {(8,): 16}), target=GPUTarget("cuda", 90, 32),
+    options=dict(num_warps=1, enable_fp_fusion=False)))
+time.sleep(float(sys.argv[1]))
+sys.exit(3)
+"""
+
+
+@pytest.mark.skipif(kernels.triton is None, reason="Triton is not installed beside torch")
+def test_a_process_that_exits_while_the_kernels_compile_exits_with_its_own_code(tmp_path):
+    """A setup that fails (or a Ctrl-C) while compile_ahead's thread compiles: the process ends with
+    its own exit code, not SIGABRT (a daemon thread taking the GIL back during the interpreter's
+    exit aborts it), at whatever point of the compile it exits."""
+    for delay in (0.0, 0.2, 0.4, 0.6, 0.8):
+        done = subprocess.run([sys.executable, "-c", EXIT_WHILE_COMPILING, str(delay)], cwd=HERE.parent,
+                              env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path / str(delay))},
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 3, (delay, done.returncode, done.stderr[-2000:])
+
+
 @pytest.mark.skipif(kernels.triton is None, reason="Triton is not installed beside torch")
 def test_the_kernels_in_tritons_interpreter_give_the_torch_answers():
     code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_kernels as t; " \
