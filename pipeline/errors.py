@@ -18,6 +18,7 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -107,6 +108,10 @@ def structured_log() -> bool:
     return logging_settings()[1] or logging.getLogger("gpudet").getEffectiveLevel() > logging.WARNING
 
 
+TERMINAL_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+"""ANSI escape sequences (colours) that libraries write to a terminal."""
+
+
 @contextmanager
 def stderr_into_log(source: str, level_of: Callable[[str], int]) -> Iterator[TextIO]:
     """What libraries write to this process's stderr (Ray's loggers and C++ core, the image
@@ -131,8 +136,9 @@ def stderr_into_log(source: str, level_of: Callable[[str], int]) -> Iterator[Tex
     def forward() -> None:
         with os.fdopen(read, "r", errors="replace") as lines:
             for line in lines:
+                line = TERMINAL_CODES.sub("", line).rstrip()  # a library's colours: noise in a log or a JSON line
                 if line.strip():
-                    gpudet.log(level_of(line), "%s: %s", source, line.rstrip())
+                    gpudet.log(level_of(line), "%s: %s", source, line)
 
     reader = threading.Thread(target=forward, name=f"gpudet-{source}-stderr", daemon=True)
     reader.start()

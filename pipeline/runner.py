@@ -81,8 +81,10 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, s
     return RunResult(summary, folder.tally.exit_code)
 
 
-DECODER_NOISE = re.compile(r"libjpeg|libpng|jpeg_parser|Corrupt JPEG|Premature end of JPEG|JPEG datastream|"
+DECODER_NOISE = re.compile(r"libjpeg|libpng|_parser\]|Corrupt JPEG|Premature end of JPEG|JPEG datastream|"
                            r"Unsupported marker|_decoder\]")
+"""What image decoders print about a bad file: libjpeg's and libpng's lines, DALI's nvImageCodec
+parsers' and decoders' ([jpeg_parser], [png_parser], [..._decoder])."""
 
 
 def decoder_level(line: str) -> int:
