@@ -30,8 +30,8 @@ class ImageError:
     index: int
     path: str
     reason: str
-    """Stable code: missing, not_a_file, unreadable, empty, unknown_format, bad_header, too_large,
-    decode_failed, bad_array (README, "When things go wrong")."""
+    """Stable code: missing, not_a_file, unreadable, empty, unknown_format, bad_header, truncated,
+    too_large, decode_failed, bad_array (README, "When things go wrong")."""
     message: str
 
     def to_record(self) -> dict:

@@ -3,8 +3,8 @@
 Each input gets a stable `index` (its position in the list, or in sorted order for folders and
 globs) that every result and error record carries, so outputs always map back to inputs.
 Files are read a bounded number of batches ahead of the consumer, on a pool of threads, and
-checked cheaply (exists, non-empty, an image signature, a sane declared size) so that a bad file
-never reaches the decoder.
+checked cheaply (exists, non-empty, an image signature, a sane declared size, a PNG's end) so that
+a bad file never reaches the decoder.
 """
 
 from __future__ import annotations
@@ -38,6 +38,13 @@ SIGNATURES = (
     (b"P5", "pnm"),
     (b"P6", "pnm"),
 )
+
+
+PNG_END = b"IEND\xaeB`\x82"
+"""A PNG's last chunk, IEND, with its CRC: a PNG cut short lacks it, and DALI's CPU PNG decoder can
+crash the process on one (SIGSEGV, about one run in three on the development machine)."""
+PNG_END_WITHIN = 65536
+"""How far from a PNG's end IEND is looked for: bytes appended after it (rare) are allowed."""
 
 
 @dataclass(frozen=True)
@@ -297,6 +304,10 @@ def checked_bytes(item: EncodedImage, max_pixels: int = 0) -> EncodedImage | Ima
         return ImageError(ref.index, ref.path, "too_large",
                           f"{kind} declares {size[0]}x{size[1]} = {size[0] * size[1]:,} pixels, over the limit of "
                           f"{max_pixels:,} (raise preprocess.max_pixels if this image is genuine)")
+    if kind == "png" and PNG_END not in data[-PNG_END_WITHIN:].tobytes():
+        return ImageError(ref.index, ref.path, "truncated",
+                          "png ends before its last chunk (IEND): the file was cut short, e.g. by an interrupted "
+                          "download or copy; fetch or copy it again")
     return EncodedImage(ref, data, size[0] * size[1])
 
 

@@ -283,8 +283,9 @@ def test_log_json_holds_with_corrupt_images_in_the_list(tmp_path):
     --log-json one JSON object a line), and errors.jsonl names the files."""
     data = (SAMPLES / "grace_hopper.jpg").read_bytes()
     (tmp_path / "cut.jpg").write_bytes(data[:len(data) // 2])
+    (tmp_path / "cut.png").write_bytes((SAMPLES / "astronaut.png").read_bytes()[:2000])  # refused before DALI
     listing = tmp_path / "list.txt"
-    listing.write_text(f"{tmp_path / 'cut.jpg'}\n{SAMPLES / 'china.jpg'}\n")
+    listing.write_text(f"{tmp_path / 'cut.jpg'}\n{tmp_path / 'cut.png'}\n{SAMPLES / 'china.jpg'}\n")
     debug = gpudet("detect", listing, "--out", tmp_path / "debug", "--device", "cpu", "--log-level", "DEBUG")
     assert debug.returncode == 3 and "DEBUG: library: " in debug.stderr and "libjpeg" in debug.stderr  # they complain
     plain = gpudet("detect", listing, "--out", tmp_path / "plain", "--device", "cpu")  # the default: not a line of it
@@ -293,9 +294,29 @@ def test_log_json_holds_with_corrupt_images_in_the_list(tmp_path):
     assert run.returncode == 3, run.stderr[-2000:]
     entries = [json.loads(line) for line in run.stderr.splitlines()]
     assert entries and entries[-1]["message"] == "run finished" and "libjpeg" not in run.stderr
-    assert [e["reason"] for e in read_jsonl(tmp_path / "o" / "errors.jsonl")] == ["decode_failed"]
+    assert sorted(e["reason"] for e in read_jsonl(tmp_path / "o" / "errors.jsonl")) == ["decode_failed", "truncated"]
     quiet = gpudet("detect", listing, "--out", tmp_path / "q", "--device", "cpu", "--quiet")
     assert quiet.returncode == 3 and quiet.stderr == "", quiet.stderr[-2000:]
+
+
+def test_a_librarys_colour_codes_and_parser_lines_stay_off_the_log(tmp_path):
+    """DALI's image parsers write coloured lines ("[ERROR] [png_parser] ..." in ANSI red) about a
+    bad file: logged at debug without the escape codes, so neither the terminal at the default
+    level nor a --log-json line carries them."""
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import logging, os\n"
+        "from pipeline.errors import setup_logging, stderr_into_log\n"
+        "from pipeline.runner import decoder_level\n"
+        "setup_logging(level='DEBUG', as_json=True)\n"
+        "with stderr_into_log('library', decoder_level):\n"
+        "    os.write(2, b'\\x1b[0;31m[ERROR] \\x1b[0m[png_parser] Could not retrieve image info\\n')\n"
+        "    os.write(2, b'\\x1b[1msomething else\\x1b[0m\\n')\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    records = [json.loads(line) for line in done.stderr.splitlines()]
+    assert [(r["level"], r["message"]) for r in records] == [
+        ("DEBUG", "library: [ERROR] [png_parser] Could not retrieve image info"),
+        ("WARNING", "library: something else")], done.stderr
 
 
 def test_a_reader_of_stderr_that_goes_away_does_not_hang_the_capture(tmp_path):

@@ -79,6 +79,7 @@ def build_corpus(folder: Path) -> tuple[Path, dict[str, set[str]]]:
         "gray.jpg": encode(camera, "JPEG", quality=92),
         "cmyk.jpg": encode(astronaut.convert("CMYK"), "JPEG", quality=92),
         "bomb.png": png_declaring(30000, 30000),
+        "truncated.png": (SAMPLES / "astronaut.png").read_bytes()[:2000],  # DALI's PNG decoder may crash on it
         "huge valid ünïcode.jpg": encode(astronaut.resize((4800, 4800)), "JPEG", quality=80),
     }
     display = Image.open(SAMPLES / "grace_hopper.jpg")
@@ -96,7 +97,7 @@ def build_corpus(folder: Path) -> tuple[Path, dict[str, set[str]]]:
         "good.jpg": {"faces=1"}, "truncated.jpg": {"decode_failed", "faces=0", "faces=1"},
         "header_cut.jpg": {"bad_header"}, "zero.jpg": {"empty"}, "text.jpg": {"unknown_format"},
         "alpha.png": {"faces=1"}, "gray16.png": {"faces=1"}, "rgb16.png": {"faces=1"}, "gray.jpg": {"faces=1"},
-        "cmyk.jpg": {"faces=1"}, "bomb.png": {"too_large"}, "huge valid ünïcode.jpg": {"faces=1"},
+        "cmyk.jpg": {"faces=1"}, "bomb.png": {"too_large"}, "truncated.png": {"truncated"}, "huge valid ünïcode.jpg": {"faces=1"},
         "exif_rotated.jpg": {"faces=1"}, "missing.jpg": {"missing"}, "a_directory.jpg": {"not_a_file"},
     }
     for k in range(6):  # any outcome, as long as it is recorded exactly once

@@ -65,6 +65,20 @@ def test_only_regular_files_are_read(tmp_path):
     assert capped.reason == "too_large" and "over the cap of 1,000" in capped.message
 
 
+def test_a_png_cut_short_is_refused_before_the_decoder(tmp_path):
+    """A PNG without its IEND chunk never reaches DALI, whose CPU PNG decoder can crash the process
+    on one; bytes appended after IEND are allowed."""
+    whole = (SAMPLES / "astronaut.png").read_bytes()
+    for name, data in (("cut.png", whole[:2000]), ("nearly.png", whole[:-1]), ("whole.png", whole),
+                       ("appended.png", whole + b"\0" * 1000)):
+        (tmp_path / name).write_bytes(data)
+    found = {name: read_checked(ImageRef(0, str(tmp_path / name))) for name in ("cut.png", "nearly.png", "whole.png",
+                                                                                "appended.png")}
+    assert {name: getattr(r, "reason", "read") for name, r in found.items()} == {
+        "cut.png": "truncated", "nearly.png": "truncated", "whole.png": "read", "appended.png": "read"}
+    assert "cut short" in found["cut.png"].message and "fetch or copy it again" in found["cut.png"].message
+
+
 def test_folder_is_recursive_sorted_and_filters_extensions(tmp_path):
     for name in ["b.jpg", "a/c.PNG", "notes.txt", "a/d.jpeg"]:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
