@@ -39,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     detect.add_argument("source", help="file list (.txt), folder, image file or glob")
     detect.add_argument("--out", required=True, help="output folder (detections.jsonl or detections.parquet/, "
                                                      "errors.jsonl, summary.json)")
-    detect.add_argument("--format", dest="output_format", choices=OUTPUT_FORMATS, default="jsonl",
-                        help="how processed images are written: jsonl (default), or parquet (a folder of Parquet "
-                             "files, one row per image; needs pyarrow)")
+    detect.add_argument("--format", dest="output_format", choices=OUTPUT_FORMATS,
+                        help="how processed images are written: jsonl (default; with --resume, the format the "
+                             "folder holds), or parquet (a folder of Parquet files, one row per image; needs pyarrow)")
     detect.add_argument("--config", help="YAML config (default: the embedded RetinaFace config)")
     detect.add_argument("--model", help="ONNX model file (overrides model.path)")
     detect.add_argument("--device", help="auto | cpu | cuda | cuda:N (overrides run.device)")
@@ -121,11 +121,13 @@ def cmd_detect(args: argparse.Namespace) -> int:
 
     with signals_held():
         from .runner import run_detect
+    from .sinks import written_format
 
     overrides = args.overrides + option_overrides(model=args.model, device=args.device, batch_size=args.batch_size)
     config = load_config(args.config, overrides, origin="--set")
     progress = False if args.quiet else args.progress
-    options = dict(root=args.root, progress=progress, output_format=args.output_format, resume=args.resume,
+    output_format = args.output_format or (args.resume and written_format(args.out)) or "jsonl"
+    options = dict(root=args.root, progress=progress, output_format=output_format, resume=args.resume,
                    overwrite=args.overwrite, retry_failed=args.retry_failed)
     if args.devices is not None and args.ray is not None:
         raise ConfigError("--devices and --ray do not go together: Ray places one actor per GPU itself")

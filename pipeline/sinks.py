@@ -444,6 +444,14 @@ def records_in(path: Path) -> int:
         return 0
 
 
+def written_format(folder: str | Path) -> str | None:
+    """The format (FORMATS) whose detections an output folder, or one of its shards, holds; None
+    if it holds none (or both, which OutputFolder refuses to continue without --format)."""
+    folders = [Path(folder)] + sorted((Path(folder) / SHARDS).glob("*/"))
+    held = {name for name in FORMATS for f in folders if holds_results(f / DETECTIONS[name])}
+    return held.pop() if len(held) == 1 else None
+
+
 def holds_results(path: Path) -> bool:
     """Whether a detections or errors file (or Parquet folder) holds any record."""
     if path.suffix == ".parquet":
