@@ -63,6 +63,12 @@ def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = N
     A source that lists no image at all is an error, so that a typo does not look like success."""
     text = os.fspath(source)
     path = Path(text)
+    if root is not None and not (path.is_file() and path.suffix.lower() == ".txt"):
+        raise SourceError(f"--root {os.fspath(root)} applies to a .txt file list's relative paths; {text} is not one: "
+                          "leave --root out")
+    if root is not None and not Path(root).is_dir():
+        raise SourceError(f"--root {os.fspath(root)} is not a folder; give the folder that the list's relative "
+                          "paths resolve against, or leave it out (they resolve against the list's folder)")
     if path.is_dir():
         found = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
         what = f"folder {text} holds no image file ({', '.join(sorted(IMAGE_EXTENSIONS))}, searched recursively)"

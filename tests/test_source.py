@@ -17,7 +17,20 @@ def test_file_list_resolves_relative_paths_against_its_folder_or_root(tmp_path):
     refs = list_images(listing)
     assert refs == [ImageRef(0, str(tmp_path / "a.jpg")), ImageRef(1, str(tmp_path / "sub/b.png")),
                     ImageRef(2, str(SAMPLES / "china.jpg"))]
-    assert list_images(listing, root="/data")[0].path == "/data/a.jpg"
+    (tmp_path / "data").mkdir()
+    assert list_images(listing, root=tmp_path / "data")[0].path == str(tmp_path / "data" / "a.jpg")
+
+
+def test_a_root_that_is_no_folder_or_resolves_nothing_is_refused(tmp_path):
+    """--root that does not exist would make every listed path 'missing'; beside a source that is
+    not a file list it would do nothing: both refused up front, naming the flag."""
+    listing = tmp_path / "list.txt"
+    listing.write_text("a.jpg\n")
+    with pytest.raises(SourceError, match=r"--root .*nope is not a folder"):
+        list_images(listing, root=tmp_path / "nope")
+    for source in (SAMPLES, SAMPLES / "china.jpg", str(SAMPLES / "*.jpg")):
+        with pytest.raises(SourceError, match="applies to a .txt file list's relative paths"):
+            list_images(source, root=tmp_path)
 
 
 def test_the_list_syntax_takes_each_name_as_written(tmp_path):
