@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     detect.add_argument("--config", help="YAML config (default: the embedded RetinaFace config)")
     detect.add_argument("--model", help="ONNX model file (overrides model.path)")
     detect.add_argument("--device", help="auto | cpu | cuda | cuda:N (overrides run.device)")
-    detect.add_argument("--batch-size", type=int, help="images per batch (overrides run.batch_size)")
+    detect.add_argument("--batch-size", type=int, help="images per batch (overrides run.batch_size; the default config's: 32)")
     detect.add_argument("--root", help="folder that relative paths in a file list resolve against "
                                        "(default: the list's folder)")
     detect.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -86,16 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("source", help="images to measure on (make them with scripts/make_image_set.py)")
     bench.add_argument("--config", help="YAML config (default: the embedded RetinaFace config)")
     bench.add_argument("--device", help="auto | cpu | cuda | cuda:N")
-    bench.add_argument("--batch-size", type=int, help="images per batch")
+    bench.add_argument("--batch-size", type=int, help="images per batch (overrides run.batch_size; the default "
+                                                      "config's: 32)")
     bench.add_argument("--limit", type=int, default=1000, help="use the first N images (default 1000)")
-    bench.add_argument("--iterations", type=int, default=20, help="repeats of the model-only and DALI-only batch")
+    bench.add_argument("--iterations", type=int, default=20, help="repeats of the model-only and DALI-only batch (default 20)")
     bench.add_argument("--passes", type=int, default=1, metavar="N",
                        help="time gpudet N times over the images and report the median pass (default 1)")
     bench.add_argument("--skip-naive", action="store_true", help="leave out the (slow) naive baseline")
     bench.add_argument("--naive-limit", type=int, default=300, metavar="N",
                        help="run the naive baseline on the first N images (default 300)")
     bench.add_argument("--latency", type=int, default=0, metavar="N",
-                       help="also time N images one at a time (batch 1): p50/p99 from file to detections")
+                       help="also time N images one at a time (batch 1): p50/p99 from file to detections "
+                            "(default 0: not timed)")
     bench.add_argument("--format", dest="output_format", choices=OUTPUT_FORMATS, default="jsonl",
                        help="how gpudet's passes write their records (as detect --format; default jsonl)")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -108,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     draw.add_argument("--out", required=True,
                       help="folder for the annotated images (named INDEX_NAME: 00000042_street.jpg)")
     draw.add_argument("--limit", type=int, help="only the first N images")
-    draw.add_argument("--min-score", type=float, default=0.0, help="draw detections scoring at least this")
+    draw.add_argument("--min-score", type=float, default=0.0, help="draw detections scoring at least this (default 0: all)")
     draw.add_argument("--root", help="folder that relative paths in the records resolve against (default: the "
                                      "working directory; give the one detect ran in)")
     draw.add_argument("--format", dest="image_format", choices=["jpg", "png", "webp"], default="jpg",
