@@ -91,7 +91,8 @@ class Detector:
                         input_size_hw=tuple(p.size), scalars={"score_threshold": q.score_threshold,
                                                               "iou_threshold": q.iou_threshold,
                                                               "max_detections": q.max_detections},
-                        batch_size=r.batch_size if r.cuda_graph else None, cuda_options=cuda_ep_options(r),
+                        batch_size=r.batch_size if r.cuda_graph and target.is_cuda else None,
+                        cuda_options=cuda_ep_options(r),
                         cuda_graph=r.cuda_graph, slots=r.pipeline_depth, oom_retry=r.oom_retry)
         if engine.declared_batch not in (None, r.batch_size):
             log.info("%s takes batches of exactly %d images: run.batch_size %d -> %d", engine.model_path.name,
