@@ -420,7 +420,8 @@ def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_thr
     generator. One task per thread's share of a batch's consecutive files, not one per file
     (fewer hand-offs: on a 2-core machine one thread read twice as fast this way)."""
     step = -(-batch_size // max(1, num_threads))
-    with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="gpudet-read") as pool:
+    pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="gpudet-read")
+    try:
         def submit(chunk: list[Item]) -> list[Future]:
             return [pool.submit(read_all, chunk[i:i + step], max_pixels, max_bytes)
                     for i in range(0, len(chunk), step)]
@@ -440,6 +441,10 @@ def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_thr
                 yield result(pending.popleft())
         while pending:
             yield result(pending.popleft())
+    finally:
+        # A consumer that stops early (Ctrl-C, an error, a stream closed) does not wait for the
+        # batches read ahead: those not started are dropped, one being read ends on its own.
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def batched(items: Iterable, size: int) -> Iterator[list]:

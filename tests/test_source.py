@@ -175,3 +175,34 @@ def test_a_list_line_with_a_nul_byte_is_an_unreadable_image_and_resume_reads_its
     (error,) = read_jsonl(out / "errors.jsonl")
     assert error["reason"] == "unreadable" and "NUL" in error["message"] and error["path"].endswith("bad\x00name.jpg")
     assert main(["detect", str(listing), "--out", str(out), "--device", "cpu", "--quiet", "--resume"]) == 3
+
+
+def test_a_consumer_that_stops_early_does_not_wait_for_the_reads_ahead(monkeypatch):
+    """Closing read_chunks (Ctrl-C, an error, a stream stopped) drops the batches read ahead and
+    does not wait for one still being read (a slow network file system would hold the exit)."""
+    import threading
+
+    from pipeline import source
+
+    release, started = threading.Event(), threading.Event()
+    read_all = source.read_all
+
+    def read(items, *args):
+        if items[0].index >= 4:  # the second batch on: a read that hangs until the test lets it go
+            started.set()
+            release.wait(30)
+        return read_all(items, *args)
+
+    monkeypatch.setattr(source, "read_all", read)
+    chunks = [[ImageRef(4 * b + i, str(SAMPLES / "china.jpg")) for i in range(4)] for b in range(6)]
+    stream = read_chunks(iter(chunks), batch_size=4, num_threads=2)
+    assert [item.ref.index for item in next(stream)] == [0, 1, 2, 3]
+    assert started.wait(10)
+    closing = threading.Thread(target=stream.close)
+    closing.start()
+    closing.join(timeout=5)
+    try:
+        assert not closing.is_alive(), "closing the stream waited for the reads ahead"
+    finally:
+        release.set()
+        closing.join()
