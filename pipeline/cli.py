@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     detect.add_argument("--config", help="YAML config (default: the embedded RetinaFace config)")
     detect.add_argument("--model", help="ONNX model file (overrides model.path)")
     detect.add_argument("--device", help="auto | cpu | cuda | cuda:N (overrides run.device)")
-    detect.add_argument("--batch-size", type=int, help="images per batch (overrides run.batch_size; the default config's: 32)")
+    detect.add_argument("--batch-size", type=int, help="images per batch (overrides run.batch_size; default: the "
+                                                       "config's)")
     detect.add_argument("--root", help="folder that relative paths in a file list resolve against "
                                        "(default: the list's folder)")
     detect.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -86,10 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("source", help="images to measure on (make them with scripts/make_image_set.py)")
     bench.add_argument("--config", help="YAML config (default: the embedded RetinaFace config)")
     bench.add_argument("--device", help="auto | cpu | cuda | cuda:N")
-    bench.add_argument("--batch-size", type=int, help="images per batch (overrides run.batch_size; the default "
-                                                      "config's: 32)")
+    bench.add_argument("--batch-size", type=int, help="images per batch (overrides run.batch_size; default: the "
+                                                      "config's)")
     bench.add_argument("--limit", type=int, default=1000, help="use the first N images (default 1000)")
-    bench.add_argument("--iterations", type=int, default=20, help="repeats of the model-only and DALI-only batch (default 20)")
+    bench.add_argument("--iterations", type=int, default=20,
+                       help="repeats of the model-only and DALI-only batch (default 20)")
     bench.add_argument("--passes", type=int, default=1, metavar="N",
                        help="time gpudet N times over the images and report the median pass (default 1)")
     bench.add_argument("--skip-naive", action="store_true", help="leave out the (slow) naive baseline")
@@ -110,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     draw.add_argument("--out", required=True,
                       help="folder for the annotated images (named INDEX_NAME: 00000042_street.jpg)")
     draw.add_argument("--limit", type=int, help="only the first N images")
-    draw.add_argument("--min-score", type=float, default=0.0, help="draw detections scoring at least this (default 0: all)")
+    draw.add_argument("--min-score", type=float, default=0.0,
+                      help="draw detections scoring at least this (default 0: all)")
     draw.add_argument("--root", help="folder that relative paths in the records resolve against (default: the "
                                      "working directory; give the one detect ran in)")
     draw.add_argument("--format", dest="image_format", choices=["jpg", "png", "webp"], default="jpg",

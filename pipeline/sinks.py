@@ -444,10 +444,17 @@ def records_in(path: Path) -> int:
         return 0
 
 
+def shard_folders(folder: Path) -> list[Path]:
+    """An output folder's shard folders (`shards/*/`), where --devices workers and Ray actors write
+    their records before they are merged into its files; a symbolic link is none."""
+    shards = folder / SHARDS
+    return sorted(p for p in shards.iterdir() if p.is_dir() and not p.is_symlink()) if shards.is_dir() else []
+
+
 def written_format(folder: str | Path) -> str | None:
     """The format (FORMATS) whose detections an output folder, or one of its shards, holds; None
     if it holds none (or both, which OutputFolder refuses to continue without --format)."""
-    folders = [Path(folder)] + sorted((Path(folder) / SHARDS).glob("*/"))
+    folders = [Path(folder), *shard_folders(Path(folder))]
     held = {name for name in FORMATS for f in folders if holds_results(f / DETECTIONS[name])}
     return held.pop() if len(held) == 1 else None
 
@@ -648,10 +655,8 @@ class OutputFolder:
 
     @property
     def shards(self) -> list[Path]:
-        """The shard folders (`shards/*/`), where --devices workers and Ray actors write their
-        records before they are merged into this folder's files."""
-        folder = self.path / SHARDS
-        return sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()) if folder.is_dir() else []
+        """This folder's shard folders (shard_folders)."""
+        return shard_folders(self.path)
 
     def begin(self, refs: list[ImageRef], settings: dict | None = None) -> list[ImageRef]:
         """Start a run over `refs`: the images it must process. A run refused here (results without

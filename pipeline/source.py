@@ -63,7 +63,8 @@ def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = N
     A source that lists no image at all is an error, so that a typo does not look like success."""
     text = os.fspath(source)
     path = Path(text)
-    if root is not None and not (path.is_file() and path.suffix.lower() == ".txt"):
+    is_list = path.is_file() and path.suffix.lower() == ".txt"
+    if root is not None and not is_list:
         raise SourceError(f"--root {os.fspath(root)} applies to a .txt file list's relative paths; {text} is not one: "
                           "leave --root out")
     if root is not None and not Path(root).is_dir():
@@ -73,7 +74,7 @@ def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = N
         found = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
         what = f"folder {text} holds no image file ({', '.join(sorted(IMAGE_EXTENSIONS))}, searched recursively)"
         refs = [ImageRef(i, str(p)) for i, p in enumerate(found)]
-    elif path.is_file() and path.suffix.lower() == ".txt":
+    elif is_list:
         refs = read_list(path, Path(root) if root is not None else path.parent)
         what = f"file list {text} lists no path (blank lines and lines starting with # are skipped)"
     elif path.is_file():
