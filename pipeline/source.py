@@ -42,7 +42,7 @@ SIGNATURES = (
 
 PNG_END = b"IEND\xaeB`\x82"
 """A PNG's last chunk, IEND, with its CRC: a PNG cut short lacks it, and DALI's CPU PNG decoder can
-crash the process on one (SIGSEGV, about one run in three on the development machine)."""
+crash the process on one (SIGSEGV)."""
 PNG_END_WITHIN = 65536
 """How far from a PNG's end IEND is looked for: bytes appended after it (rare) are allowed."""
 
