@@ -34,10 +34,10 @@ import numpy as np
 
 from .config import Config
 from .detector import Detector
-from .engine import SCALAR_INPUTS
 from .preprocess import Preprocessor, preprocess_stream
 from .results import ImageError, ImageRef
 from .errors import SourceError
+from .session import SCALAR_INPUTS
 from .sinks import OutputFolder, pyarrow_parquet, read_complete_records
 from .source import EncodedImage, list_images, read_checked
 from .timing import StageClock, process_seconds

@@ -124,12 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_detect(args: argparse.Namespace) -> int:
     from .config import load_config, option_overrides
 
+    overrides = args.overrides + option_overrides(model=args.model, device=args.device, batch_size=args.batch_size)
+    config = load_config(args.config, overrides, origin="--set")
     with signals_held():
+        if args.devices is None and args.ray is None:
+            from .session import start_early
+
+            start_early(config)  # the model's first run on the GPU, beside the imports below
         from .runner import run_detect
     from .sinks import written_format
 
-    overrides = args.overrides + option_overrides(model=args.model, device=args.device, batch_size=args.batch_size)
-    config = load_config(args.config, overrides, origin="--set")
     progress = False if args.quiet else args.progress
     output_format = args.output_format or (args.resume and written_format(args.out)) or "jsonl"
     options = dict(root=args.root, progress=progress, output_format=output_format, resume=args.resume,
@@ -277,11 +281,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .config import load_config, option_overrides
 
+    overrides = args.overrides + option_overrides(device=args.device, batch_size=args.batch_size)
+    config = load_config(args.config, overrides, origin="--set")
     with signals_held():
+        from .session import start_early
+
+        start_early(config)  # the model's first run on the GPU, beside the imports below
         from .bench import format_report, run_bench, write_report
 
-    overrides = args.overrides + option_overrides(device=args.device, batch_size=args.batch_size)
-    report = run_bench(args.source, load_config(args.config, overrides, origin="--set"), limit=args.limit,
+    report = run_bench(args.source, config, limit=args.limit,
                        iterations=args.iterations, skip_naive=args.skip_naive, naive_limit=args.naive_limit,
                        latency=args.latency, passes=args.passes, output_format=args.output_format,
                        command=shlex.join(["gpudet", *args.argv]))

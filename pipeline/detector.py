@@ -24,13 +24,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import Config, RunConfig, check_thresholds, load_config, option_overrides, resolve_model_path
+from .config import Config, check_thresholds, load_config, option_overrides, resolve_model_path
 from .device import Device, free_bytes, resolve_device
 from .engine import ORT_TO_TORCH, Engine, Launched, detect_contract, landmark_points, model_record
 from .errors import ConfigError
 from .postprocess import DeviceDetections, EndToEnd, GraphCache, RetinaNetHeads, SsdHeads, Thresholds, image_meta
 from .preprocess import PreprocessedBatch, Preprocessor, preprocess_stream
 from .results import Detections, ImageError, ImageResult
+from .session import cuda_ep_options, drop_started
 from .source import FLUSH, EncodedImage, Item, PixelImage, as_item, batched, list_images, read_chunks, within_pixels
 from .timing import StageClock
 
@@ -94,6 +95,7 @@ class Detector:
                         batch_size=r.batch_size if r.cuda_graph and target.is_cuda else None,
                         cuda_options=cuda_ep_options(r),
                         cuda_graph=r.cuda_graph, slots=r.pipeline_depth, oom_retry=r.oom_retry)
+        drop_started()  # a session start_early opened for another device or options, if any
         if engine.declared_batch not in (None, r.batch_size):
             log.info("%s takes batches of exactly %d images: run.batch_size %d -> %d", engine.model_path.name,
                      engine.declared_batch, r.batch_size, engine.declared_batch)
@@ -366,18 +368,6 @@ def source_of(item_or_batch) -> str:
     if isinstance(item, EncodedImage):
         return "encoded"
     return "device_pixels" if item.on_device else "host_pixels"
-
-
-def cuda_ep_options(run: RunConfig) -> dict[str, str]:
-    """run.* as ONNX Runtime CUDA EP options."""
-    options = {"prefer_nhwc": "1"} if run.prefer_nhwc else {}
-    if run.fuse_conv_bias:
-        options["fuse_conv_bias"] = "1"
-    if not run.tf32:
-        options["use_tf32"] = "0"
-    if run.gpu_mem_limit_mb:  # the arena grows only by what is asked, so the cap is reached late and exactly
-        options.update(gpu_mem_limit=str(run.gpu_mem_limit_mb << 20), arena_extend_strategy="kSameAsRequested")
-    return options
 
 
 def check_memory(device: Device, *, batch_size: int, height: int, width: int, value_bytes: int, batches: int) -> None:

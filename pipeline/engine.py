@@ -52,6 +52,7 @@ import torch
 
 from .device import Device
 from .errors import GpuOutOfMemory, ModelError
+from .session import SCALAR_INPUTS, TensorSpec, describe_io, open_session, session_key, take_started
 
 ORT_TO_TORCH = {
     "tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(int64)": torch.int64,
@@ -60,91 +61,15 @@ ORT_TO_TORCH = {
 }
 TORCH_TO_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64,
                   torch.int32: np.int32, torch.bool: np.bool_, torch.uint8: np.uint8, torch.float64: np.float64}
-SCALAR_INPUTS = {"score_threshold": np.float32, "iou_threshold": np.float32, "max_detections": np.int64}
 
 KDL_CUDA = 2  # DLPack's device type for CUDA memory (DLDeviceType.kDLCUDA)
 
 log = logging.getLogger("gpudet")
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: str  # ORT type string, e.g. "tensor(float)"
-    shape: tuple  # ints for static dims, strings (or None) for symbolic ones
-
-    def describe(self) -> str:
-        dims = ", ".join(str(d) if d is not None else "?" for d in self.shape)
-        return f"{self.name} {self.dtype.removeprefix('tensor(').removesuffix(')')} [{dims}]"
-
-
-@dataclass(frozen=True)
-class ImageInput:
-    name: str
-    layout: str  # "NCHW" or "NHWC"
-    dtype: str  # "float32" or "float16"
-    size_hw: tuple[int, int] | None  # static model input size, or None when any size is accepted
-    batch: int | None = None  # static batch size, or None when any batch size is accepted
-
-
-def describe_io(specs: list[TensorSpec]) -> str:
-    return "; ".join(s.describe() for s in specs) or "(none)"
-
-
-def find_image_input(inputs: list[TensorSpec], model_path: Path) -> ImageInput:
-    """The one rank-4 float input with 3 channels, its layout, dtype and (static) size."""
-    images = [s for s in inputs if s.name not in SCALAR_INPUTS]
-    unknown = [s for s in images if len(s.shape) != 4 or s.dtype not in ("tensor(float)", "tensor(float16)")]
-    if len(images) != 1 or unknown:
-        raise ModelError(
-            f"{model_path}: expected one image input float32/float16 [B, 3, H, W] or [B, H, W, 3], plus "
-            f"optional {', '.join(SCALAR_INPUTS)}; found inputs: {describe_io(inputs)}")
-    spec = images[0]
-    if spec.shape[1] == 3:
-        layout, hw = "NCHW", spec.shape[2:4]
-    elif spec.shape[3] == 3:
-        layout, hw = "NHWC", spec.shape[1:3]
-    else:
-        raise ModelError(f"{model_path}: image input {spec.describe()} has no channel dimension of 3 "
-                         "at position 1 (NCHW) or 3 (NHWC)")
-    static = all(isinstance(d, int) for d in hw)
-    return ImageInput(spec.name, layout, "float16" if spec.dtype == "tensor(float16)" else "float32",
-                      tuple(hw) if static else None, spec.shape[0] if isinstance(spec.shape[0], int) else None)
-
-
-def check_external_data(model_path: Path) -> None:
-    """Refuse a model whose external-data references point outside its own folder: a model file
-    must not make gpudet read arbitrary files (`location: ../../etc/passwd`)."""
-    import onnx
-
-    try:
-        model = onnx.load(str(model_path), load_external_data=False)
-    except Exception as e:  # protobuf DecodeError, OSError, ...
-        raise ModelError(f"{model_path}: not a readable ONNX model ({type(e).__name__}: {e})") from None
-    folder = model_path.resolve().parent
-
-    def tensors(graph):
-        yield from graph.initializer
-        for node in graph.node:
-            for attr in node.attribute:
-                if attr.HasField("t"):
-                    yield attr.t
-                yield from attr.tensors
-                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                    yield from tensors(sub)
-
-    for tensor in tensors(model.graph):
-        if tensor.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
-        target = (folder / location).resolve()
-        if Path(location).is_absolute() or not target.is_relative_to(folder):
-            raise ModelError(f"{model_path}: tensor {tensor.name!r} reads external data from {location!r}, outside "
-                             f"the model's folder {folder}; refusing to load it")
-
-
 class Engine:
-    """An ORT session on one device with a reusable IOBinding."""
+    """An ORT session on one device with a reusable IOBinding. The session is the one
+    session.start_early opened for the same arguments, if there is one, else a new one."""
 
     def __init__(self, model_path: str | Path, *, device: Device, scalars: dict[str, float | int],
                  input_size_hw: tuple[int, int] | None = None, batch_size: int | None = None,
@@ -168,53 +93,34 @@ class Engine:
         one) from then on (`run_batch`); not with a fixed batch size or a CUDA graph."""
         self.model_path = Path(model_path)
         self.device = device
-        self.stream = torch.cuda.Stream(device.torch) if device.is_cuda else None
-        """ORT's compute stream on a GPU (module docstring); the CUDA-graph input copy goes on it too."""
-        # Every ORT run on this one thread (module docstring); it ends when the engine is collected.
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="gpudet-engine")
-        self._thread = self._executor.submit(threading.current_thread).result()
         self.cuda_options = cuda_options or {}
+        started = device.is_cuda and take_started(session_key(
+            self.model_path, device.index, input_size_hw=input_size_hw, batch_size=batch_size,
+            cuda_options=self.cuda_options, cuda_graph=cuda_graph))
+        # self.stream: ORT's compute stream on a GPU (module docstring); the CUDA-graph input copy goes on it too.
+        if started:  # opened by session.start_early, its first run under way on what becomes this engine's thread
+            self.stream = torch.cuda.ExternalStream(started.stream, device=device.torch)
+            self._executor, self._thread = started.executor, started.thread
+            opened, self._first_run = started.opened, started.first_run
+        else:
+            self.stream = torch.cuda.Stream(device.torch) if device.is_cuda else None
+            # Every ORT run on this one thread (module docstring); it ends when the engine is collected.
+            self._executor, self._first_run = ThreadPoolExecutor(1, thread_name_prefix="gpudet-engine"), None
+            self._thread = self._executor.submit(threading.current_thread).result()
+            opened = open_session(self.model_path, cuda_index=device.index if device.is_cuda else None,
+                                  stream=self.stream.cuda_stream if device.is_cuda else None,
+                                  input_size_hw=input_size_hw, batch_size=batch_size, cuda_options=self.cuda_options,
+                                  cuda_graph=cuda_graph)
         self.slots = slots
         self.oom_retry = oom_retry
         self.run_batch: int | None = None
         """Images per ORT run after a GPU out-of-memory; None: the whole batch in one run."""
-        check_external_data(self.model_path)
-        # A first, unoptimized CPU session only reads the inputs (it is cheap; the real session
-        # depends on them through the dimension overrides).
-        probe = self._session({}, probe=True)
-        self.inputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in probe.get_inputs()]
-        image = find_image_input(self.inputs, self.model_path)
-        overrides = {}
-        if image.size_hw is None and input_size_hw is not None:
-            spec = next(s for s in self.inputs if s.name == image.name)
-            hw_dims = spec.shape[2:4] if image.layout == "NCHW" else spec.shape[1:3]
-            overrides = {d: v for d, v in zip(hw_dims, input_size_hw) if isinstance(d, str)}
-            if len(overrides) != 2 or hw_dims[0] == hw_dims[1]:
-                overrides = {}  # unnamed or shared dims cannot be fixed independently
-        batch_dim = next(s for s in self.inputs if s.name == image.name).shape[0]
-        if image.batch is None and batch_size is not None and isinstance(batch_dim, str) and \
-                batch_dim not in overrides:
-            overrides[batch_dim] = batch_size
-        self.declared_batch = image.batch
+        self.session, self.cuda_options, self.cuda_graph = opened.session, opened.cuda_options, opened.cuda_graph
+        self.declared_batch = opened.declared_batch
         """The batch size the model itself fixes (None: any); image_input.batch also counts batch_size."""
-        self.cuda_graph = cuda_graph and device.is_cuda
-        if self.cuda_graph:
-            # ORT refuses a graph with nodes off the CUDA EP only after loading; say why first.
-            dynamic = [f"{a.name} {a.shape}" for a in probe.get_outputs()
-                       if not all(isinstance(d, int) or (i == 0 and d == batch_dim) for i, d in enumerate(a.shape))]
-            if (image.batch is None and batch_dim not in overrides) or (image.size_hw is None and len(overrides) < 2) \
-                    or dynamic:
-                raise ModelError(f"{self.model_path}: run.cuda_graph needs static shapes (the batch and input size "
-                                 f"fixed, outputs the batch size decides); found inputs {describe_io(self.inputs)}, "
-                                 f"dynamic outputs {', '.join(dynamic) or 'none'}. Use a heads model or "
-                                 "run.cuda_graph=false")
-            self.cuda_options = {**self.cuda_options, "enable_cuda_graph": "1"}
-        self.session = self._session(overrides)
-        self.inputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in self.session.get_inputs()]
-        self.outputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in self.session.get_outputs()]
+        self.inputs, self.outputs, self.image_input = opened.inputs, opened.outputs, opened.image_input
         self.metadata: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
         """The model's metadata_props (a retinanet_heads model keeps its anchor layout there)."""
-        self.image_input = find_image_input(self.inputs, self.model_path)
         self._batch_dim = next(s.shape[0] for s in self.inputs if s.name == self.image_input.name)
         self.binding = self.session.io_binding()
         self._static_buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -231,28 +137,6 @@ class Engine:
         for spec in self.inputs:
             if spec.name in SCALAR_INPUTS:
                 self.binding.bind_cpu_input(spec.name, np.array([values[spec.name]], SCALAR_INPUTS[spec.name]))
-
-    def _session(self, dim_overrides: dict[str, int], probe: bool = False) -> ort.InferenceSession:
-        options = ort.SessionOptions()
-        for name, value in dim_overrides.items():
-            options.add_free_dimension_override_by_name(name, value)
-        options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_DISABLE_ALL if probe
-                                            else ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
-        options.log_severity_level = 3  # placement notes go through `gpudet inspect`, not every run
-        # ORT's default logger warns at session creation about plugin EP discovery ("No registered
-        # plugin EP device found for 'CUDAExecutionProvider'") although the built-in CUDA EP loads.
-        ort.set_default_logger_severity(3)
-        if self.device.is_cuda and not probe:
-            ort.preload_dlls()  # the CUDA 13 / cuDNN 9 libraries torch's wheels brought
-            options_cuda = {"device_id": str(self.device.index), "user_compute_stream": str(self.stream.cuda_stream),
-                            **self.cuda_options}
-            providers = [("CUDAExecutionProvider", options_cuda), "CPUExecutionProvider"]
-        else:
-            providers = ["CPUExecutionProvider"]
-        try:
-            return ort.InferenceSession(str(self.model_path), options, providers=providers)
-        except Exception as e:  # ORT raises several types for unreadable or invalid models
-            raise ModelError(f"{self.model_path}: ONNX Runtime cannot load it: {e}") from None
 
     def _graph_input(self, images, slot: int) -> torch.Tensor:
         """The batch copied into the slot's own input buffer, on ORT's stream: the model's kernels
@@ -315,6 +199,12 @@ class Engine:
         algorithm search, seconds) happens at setup, not on the first batch."""
         if not self.device.is_cuda:
             return
+        if self._first_run is not None:  # start_early's run: that work is done once it ends
+            first, self._first_run = self._first_run, None
+            try:
+                first.result()
+            except Exception as e:  # the runs below meet it again and report it
+                log.debug("the session's early first run failed: %s", e)
         zeros = self.zero_batch(batch_size, size_hw)
         # With cuda_graph, ORT runs a few times before it captures: capture every slot's graph here,
         # while nothing else runs on the GPU (a capture in the middle of the pipeline would meet

@@ -13,10 +13,10 @@ import onnxruntime as ort
 import torch
 
 from .device import cuda_problem
-from .engine import (ORT_TO_TORCH, TORCH_TO_NUMPY, TensorSpec, check_external_data, detect_contract, find_image_input,
-                     model_record)
+from .engine import ORT_TO_TORCH, TORCH_TO_NUMPY, detect_contract, model_record
 from .errors import ModelError
 from .postprocess import RETINANET_METADATA
+from .session import TensorSpec, check_external_data, find_image_input
 
 
 def declared_io(model_path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:

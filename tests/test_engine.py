@@ -1,7 +1,10 @@
 """Engine: IOBinding through DLPack, static-output buffers reused, dynamic outputs on the device."""
 
+import dataclasses
 import importlib.util
 import json
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -357,3 +360,54 @@ def test_a_host_array_is_taken_as_before_by_an_engine_on_the_gpu(heads_model):
     want = {k: v.clone() for k, v in engine.run(x.cuda()).items()}
     for name, value in engine.run(x.numpy()).items():
         torch.testing.assert_close(value, want[name])
+
+
+def test_the_session_module_imports_without_torch():
+    """`gpudet detect` opens its session before torch is imported (session.start_early): the
+    module it does that with must not import torch, DALI or Triton itself."""
+    code = ("import sys, pipeline.session; heavy = {'torch', 'nvidia.dali', 'triton'} & set(sys.modules); "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_start_early_starts_nothing_off_the_gpu():
+    """On the CPU (or with no CUDA EP) there is no head start to give: nothing is opened."""
+    from pipeline import session
+    from pipeline.config import load_config
+
+    session.start_early(load_config(None, ["run.device=cpu"]))
+    if not torch.cuda.is_available():
+        session.start_early(load_config(None, []))
+    assert not session._started
+
+
+@pytest.mark.cuda
+def test_a_session_started_early_is_taken_over_with_its_first_run():
+    """session.start_early (what `gpudet detect` and `gpudet bench` call before their imports)
+    opens the default config's session on a CUDA stream of its own and starts the model's first
+    run on a thread; Detector.from_config takes that session, thread and stream over, and finds
+    what a detector that opened its own finds."""
+    from pipeline import Detector, session
+    from pipeline.config import load_config
+
+    config = load_config(None, ["run.device=cuda"])
+    session.start_early(config)
+    (started,) = session._started.values()
+    early = Detector.from_config(config)
+    assert not session._started
+    assert started.first_run.done() and started.first_run.exception() is None
+    engine = early.engine
+    assert engine.session is started.opened.session and engine._executor is started.executor
+    assert engine.stream.cuda_stream == started.stream
+    plain = Detector.from_config(config)
+    assert plain.engine.stream.cuda_stream != started.stream
+
+    def found(detector):
+        return [(r.path, r.boxes_xyxy.round(1).tolist(), r.scores.round(3).tolist()) for r in detector.run(SAMPLES)]
+
+    assert found(early) == found(plain) and sum(len(boxes) for _, boxes, _ in found(plain)) == 3
+
+    # Asked for other options, the engine opens its own session and the early one is let go.
+    session.start_early(config)
+    other = Detector.from_config(dataclasses.replace(config, run=dataclasses.replace(config.run, batch_size=16)))
+    assert not session._started and other.engine.stream.cuda_stream != started.stream

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.engine import TensorSpec, detect_contract
+from pipeline.engine import detect_contract
+from pipeline.session import TensorSpec
 from pipeline.errors import ModelError
 from pipeline.postprocess import EndToEnd, Thresholds, image_meta
 

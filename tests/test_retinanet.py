@@ -26,7 +26,8 @@ import export_retinanet as exporter  # noqa: E402
 
 from pipeline import Detector  # noqa: E402
 from pipeline.device import Device  # noqa: E402
-from pipeline.engine import SCALAR_INPUTS, Engine  # noqa: E402
+from pipeline.engine import Engine  # noqa: E402
+from pipeline.session import SCALAR_INPUTS  # noqa: E402
 from pipeline.postprocess import RetinaNetHeads, Thresholds, image_meta  # noqa: E402
 from pipeline.source import list_images  # noqa: E402
 

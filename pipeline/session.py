@@ -1,0 +1,331 @@
+"""ONNX Runtime sessions, without torch: what Engine opens, and the head start the CLI gives it.
+
+`open_session` reads a model's inputs, fixes its symbolic dimensions (ORT free-dimension
+overrides) and opens the session on the CPU or on a CUDA device with the CUDA EP's options and a
+compute stream of the caller's. Engine opens its session through it.
+
+A session's first run on a GPU costs seconds (ORT's CUDA EP prepares every convolution for its
+shapes; docs/BENCHMARKS.md, "Setup"), and the imports before it (torch, DALI, Triton) cost seconds
+more, with the GIL held. `start_early` opens the session a config asks for before those imports,
+on a CUDA stream of its own, and starts its first run on the thread that will be the engine's:
+ORT releases the GIL for the run, so the two overlap. Engine takes that session, thread and
+stream over when it is built for the same model, device and options (`take_started`); otherwise
+nothing is taken and Engine opens its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from .config import Config, RunConfig, resolve_model_path
+from .errors import ModelError
+
+SCALAR_INPUTS = {"score_threshold": np.float32, "iou_threshold": np.float32, "max_detections": np.int64}
+
+log = logging.getLogger("gpudet")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # ORT type string, e.g. "tensor(float)"
+    shape: tuple  # ints for static dims, strings (or None) for symbolic ones
+
+    def describe(self) -> str:
+        dims = ", ".join(str(d) if d is not None else "?" for d in self.shape)
+        return f"{self.name} {self.dtype.removeprefix('tensor(').removesuffix(')')} [{dims}]"
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    name: str
+    layout: str  # "NCHW" or "NHWC"
+    dtype: str  # "float32" or "float16"
+    size_hw: tuple[int, int] | None  # static model input size, or None when any size is accepted
+    batch: int | None = None  # static batch size, or None when any batch size is accepted
+
+
+def describe_io(specs: list[TensorSpec]) -> str:
+    return "; ".join(s.describe() for s in specs) or "(none)"
+
+
+def find_image_input(inputs: list[TensorSpec], model_path: Path) -> ImageInput:
+    """The one rank-4 float input with 3 channels, its layout, dtype and (static) size."""
+    images = [s for s in inputs if s.name not in SCALAR_INPUTS]
+    unknown = [s for s in images if len(s.shape) != 4 or s.dtype not in ("tensor(float)", "tensor(float16)")]
+    if len(images) != 1 or unknown:
+        raise ModelError(
+            f"{model_path}: expected one image input float32/float16 [B, 3, H, W] or [B, H, W, 3], plus "
+            f"optional {', '.join(SCALAR_INPUTS)}; found inputs: {describe_io(inputs)}")
+    spec = images[0]
+    if spec.shape[1] == 3:
+        layout, hw = "NCHW", spec.shape[2:4]
+    elif spec.shape[3] == 3:
+        layout, hw = "NHWC", spec.shape[1:3]
+    else:
+        raise ModelError(f"{model_path}: image input {spec.describe()} has no channel dimension of 3 "
+                         "at position 1 (NCHW) or 3 (NHWC)")
+    static = all(isinstance(d, int) for d in hw)
+    return ImageInput(spec.name, layout, "float16" if spec.dtype == "tensor(float16)" else "float32",
+                      tuple(hw) if static else None, spec.shape[0] if isinstance(spec.shape[0], int) else None)
+
+
+def check_external_data(model_path: Path) -> None:
+    """Refuse a model whose external-data references point outside its own folder: a model file
+    must not make gpudet read arbitrary files (`location: ../../etc/passwd`)."""
+    import onnx
+
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception as e:  # protobuf DecodeError, OSError, ...
+        raise ModelError(f"{model_path}: not a readable ONNX model ({type(e).__name__}: {e})") from None
+    folder = model_path.resolve().parent
+
+    def tensors(graph):
+        yield from graph.initializer
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    yield from tensors(sub)
+
+    for tensor in tensors(model.graph):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+        target = (folder / location).resolve()
+        if Path(location).is_absolute() or not target.is_relative_to(folder):
+            raise ModelError(f"{model_path}: tensor {tensor.name!r} reads external data from {location!r}, outside "
+                             f"the model's folder {folder}; refusing to load it")
+
+
+def cuda_ep_options(run: RunConfig) -> dict[str, str]:
+    """run.* as ONNX Runtime CUDA EP options."""
+    options = {"prefer_nhwc": "1"} if run.prefer_nhwc else {}
+    if run.fuse_conv_bias:
+        options["fuse_conv_bias"] = "1"
+    if not run.tf32:
+        options["use_tf32"] = "0"
+    if run.gpu_mem_limit_mb:  # the arena grows only by what is asked, so the cap is reached late and exactly
+        options.update(gpu_mem_limit=str(run.gpu_mem_limit_mb << 20), arena_extend_strategy="kSameAsRequested")
+    return options
+
+
+@dataclass
+class Opened:
+    """An open session and what Engine needs to know of it."""
+
+    session: ort.InferenceSession
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    image_input: ImageInput
+    declared_batch: int | None
+    """The batch size the model itself fixes (None: any); image_input.batch also counts batch_size."""
+    cuda_options: dict[str, str]
+    cuda_graph: bool
+
+
+def open_session(model_path: Path, *, cuda_index: int | None, stream: int | None = None,
+                 input_size_hw: tuple[int, int] | None = None, batch_size: int | None = None,
+                 cuda_options: dict[str, str] | None = None, cuda_graph: bool = False) -> Opened:
+    """The session Engine runs (its arguments: Engine's), on cuda:`cuda_index` with `stream` as
+    ORT's compute stream, or on the CPU (cuda_index None)."""
+    check_external_data(model_path)
+    cuda_options = dict(cuda_options or {})
+    # A first, unoptimized CPU session only reads the inputs (it is cheap; the real session
+    # depends on them through the dimension overrides).
+    probe = _session(model_path, {}, None)
+    inputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in probe.get_inputs()]
+    image = find_image_input(inputs, model_path)
+    overrides = {}
+    if image.size_hw is None and input_size_hw is not None:
+        spec = next(s for s in inputs if s.name == image.name)
+        hw_dims = spec.shape[2:4] if image.layout == "NCHW" else spec.shape[1:3]
+        overrides = {d: v for d, v in zip(hw_dims, input_size_hw) if isinstance(d, str)}
+        if len(overrides) != 2 or hw_dims[0] == hw_dims[1]:
+            overrides = {}  # unnamed or shared dims cannot be fixed independently
+    batch_dim = next(s for s in inputs if s.name == image.name).shape[0]
+    if image.batch is None and batch_size is not None and isinstance(batch_dim, str) and batch_dim not in overrides:
+        overrides[batch_dim] = batch_size
+    cuda_graph = cuda_graph and cuda_index is not None
+    if cuda_graph:
+        # ORT refuses a graph with nodes off the CUDA EP only after loading; say why first.
+        dynamic = [f"{a.name} {a.shape}" for a in probe.get_outputs()
+                   if not all(isinstance(d, int) or (i == 0 and d == batch_dim) for i, d in enumerate(a.shape))]
+        if (image.batch is None and batch_dim not in overrides) or (image.size_hw is None and len(overrides) < 2) \
+                or dynamic:
+            raise ModelError(f"{model_path}: run.cuda_graph needs static shapes (the batch and input size "
+                             f"fixed, outputs the batch size decides); found inputs {describe_io(inputs)}, "
+                             f"dynamic outputs {', '.join(dynamic) or 'none'}. Use a heads model or "
+                             "run.cuda_graph=false")
+        cuda_options["enable_cuda_graph"] = "1"
+    providers = None
+    if cuda_index is not None:
+        ort.preload_dlls()  # the CUDA 13 / cuDNN 9 libraries torch's wheels brought
+        providers = [("CUDAExecutionProvider", {"device_id": str(cuda_index), "user_compute_stream": str(stream),
+                                                **cuda_options}), "CPUExecutionProvider"]
+    session = _session(model_path, overrides, providers)
+    opened_inputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_inputs()]
+    return Opened(session, opened_inputs, [TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_outputs()],
+                  find_image_input(opened_inputs, model_path), image.batch, cuda_options, cuda_graph)
+
+
+def _session(model_path: Path, dim_overrides: dict[str, int], providers: list | None) -> ort.InferenceSession:
+    """providers None: an unoptimized CPU session that only reads the model's inputs and outputs."""
+    options = ort.SessionOptions()
+    for name, value in dim_overrides.items():
+        options.add_free_dimension_override_by_name(name, value)
+    options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_DISABLE_ALL if providers is None
+                                        else ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    options.log_severity_level = 3  # placement notes go through `gpudet inspect`, not every run
+    # ORT's default logger warns at session creation about plugin EP discovery ("No registered
+    # plugin EP device found for 'CUDAExecutionProvider'") although the built-in CUDA EP loads.
+    ort.set_default_logger_severity(3)
+    try:
+        return ort.InferenceSession(str(model_path), options, providers=providers or ["CPUExecutionProvider"])
+    except Exception as e:  # ORT raises several types for unreadable or invalid models
+        raise ModelError(f"{model_path}: ONNX Runtime cannot load it: {e}") from None
+
+
+@dataclass
+class Started:
+    """A session opened ahead of its Engine: its stream, the thread its first run is on."""
+
+    stream: int
+    """ORT's compute stream (a cudaStream_t), created for this session."""
+    executor: ThreadPoolExecutor
+    thread: threading.Thread
+    """The executor's one thread: the engine's, where every run of this session goes."""
+    opened: Opened
+    first_run: Future
+
+
+_started: dict[tuple, Started] = {}
+
+
+def session_key(model_path: Path, cuda_index: int, *, input_size_hw, batch_size, cuda_options, cuda_graph) -> tuple:
+    """What decides a session: a started one is taken only by an Engine asking for the same."""
+    return (str(Path(model_path).resolve()), cuda_index, tuple(input_size_hw) if input_size_hw else None,
+            batch_size, tuple(sorted((cuda_options or {}).items())), bool(cuda_graph))
+
+
+def take_started(key: tuple) -> Started | None:
+    """The session start_early opened for `key`, handed over once; None if there is none."""
+    return _started.pop(key, None)
+
+
+def drop_started() -> None:
+    """Let go of sessions started early that no Engine took (the device was not the one foreseen)."""
+    while _started:
+        _, started = _started.popitem()
+        started.executor.shutdown(wait=False)
+
+
+def start_early(config: Config) -> None:
+    """Open the session `Detector.from_config(config)` will use on a GPU, and start its first run
+    on the engine's thread, before the caller imports torch (module docstring). Does nothing
+    where that run would not be on a GPU or the model is not found; every problem is left for
+    Detector.from_config to meet and report."""
+    run = config.run
+    if run.device == "cpu" or "CUDAExecutionProvider" not in ort.get_available_providers():
+        return
+    try:
+        index = 0 if run.device in ("auto", "cuda") else int(run.device.removeprefix("cuda:"))
+        model_path = resolve_model_path(config)
+        stream = new_stream(index)
+        if stream is None:
+            return
+        options = cuda_ep_options(run)
+        batch_size = run.batch_size if run.cuda_graph else None
+        size_hw = tuple(config.preprocess.size)
+        opened = open_session(model_path, cuda_index=index, stream=stream, input_size_hw=size_hw,
+                              batch_size=batch_size, cuda_options=options, cuda_graph=run.cuda_graph)
+    except Exception as e:  # ConfigError, ModelError, ORT's: Detector.from_config reports them
+        log.debug("no early start of the session: %s", e)
+        return
+    q = config.postprocess
+    scalars = {"score_threshold": q.score_threshold, "iou_threshold": q.iou_threshold,
+               "max_detections": q.max_detections}
+    executor = ThreadPoolExecutor(1, thread_name_prefix="gpudet-engine")
+    thread = executor.submit(threading.current_thread).result()
+    first_run = executor.submit(_first_run, opened, index, opened.image_input.batch or run.batch_size, size_hw,
+                                scalars)
+    key = session_key(model_path, index, input_size_hw=size_hw, batch_size=batch_size, cuda_options=options,
+                      cuda_graph=run.cuda_graph)
+    _started[key] = Started(stream, executor, thread, opened, first_run)
+
+
+def _first_run(opened: Opened, index: int, batch: int, size_hw: tuple[int, int], scalars: dict) -> None:
+    """One run on a zero batch (the CUDA EP's one-time work), outside any CUDA graph."""
+    image = opened.image_input
+    height, width = image.size_hw or size_hw
+    shape = (batch, 3, height, width) if image.layout == "NCHW" else (batch, height, width, 3)
+    binding = opened.session.io_binding()
+    zeros = np.zeros(shape, np.float16 if image.dtype == "float16" else np.float32)
+    binding.bind_ortvalue_input(image.name, ort.OrtValue.ortvalue_from_numpy(zeros, "cuda", index))
+    for spec in opened.inputs:
+        if spec.name in SCALAR_INPUTS:
+            binding.bind_cpu_input(spec.name, np.array([scalars[spec.name]], SCALAR_INPUTS[spec.name]))
+    for spec in opened.outputs:
+        binding.bind_output(spec.name, "cuda", index)
+    options = ort.RunOptions()
+    if opened.cuda_graph:
+        options.add_run_config_entry("gpu_graph_id", "-1")  # run, neither capture nor replay
+    opened.session.run_with_iobinding(binding, options)
+
+
+def new_stream(index: int) -> int | None:
+    """A non-blocking CUDA stream on cuda:`index` (torch's own streams are so), made through the
+    CUDA runtime that onnxruntime loaded, without torch; None if that runtime or a driver is not
+    found. The calling thread's current device is left as it was."""
+    try:
+        ctypes.CDLL("libcuda.so.1")  # the driver: without it there is no GPU to start anything on
+    except OSError:
+        return None
+    ort.preload_dlls()
+    cudart = _cudart()
+    if cudart is None:
+        return None
+    previous, stream = ctypes.c_int(), ctypes.c_void_p()
+    if cudart.cudaGetDevice(ctypes.byref(previous)) or cudart.cudaSetDevice(index):
+        return None
+    try:
+        if cudart.cudaStreamCreateWithFlags(ctypes.byref(stream), 1):  # cudaStreamNonBlocking
+            return None
+    finally:
+        cudart.cudaSetDevice(previous.value)
+    return stream.value
+
+
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library already loaded in this process, else the one beside onnxruntime's
+    CUDA libraries (the nvidia-* wheels)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            loaded = [line.split()[-1] for line in maps if "/libcudart.so" in line]
+    except OSError:
+        loaded = []
+    try:
+        import nvidia  # the nvidia-* wheels' namespace, where onnxruntime-gpu finds its CUDA libraries
+    except ImportError:
+        nvidia = None
+    roots = list(nvidia.__path__) if nvidia is not None else []
+    found = loaded + sorted(p for root in roots for p in glob.glob(os.path.join(root, "*", "lib", "libcudart.so.*")))
+    for path in found:
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
