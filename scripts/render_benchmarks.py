@@ -165,7 +165,9 @@ RAY_RUNS = (  # (label, report, where the Ray rate starts), each machine session
     ("one process", "ray_106288_one_process_8", ""), ("`--ray --workers 1`", "ray_106288_workers_1_8", "first image"),
     ("one process", "ray_106288_one_process_9", ""), ("`--ray --workers 1`", "ray_106288_workers_1_9", "first image"),
     ("one process", "ray_106288_one_process_10", ""), ("`--ray --workers 1`", "ray_106288_workers_1_10", "first image"),
-    ("one process", "ray_106288_one_process_11", ""), ("`--ray --workers 1`", "ray_106288_workers_1_11", "first image"))
+    ("one process", "ray_106288_one_process_11", ""), ("`--ray --workers 1`", "ray_106288_workers_1_11", "first image"),
+    ("one process", "ray_106288_one_process_12", ""), ("`--ray --workers 1`", "ray_106288_workers_1_12", "first image"),
+    ("one process", "ray_106288_one_process_13", ""), ("`--ray --workers 1`", "ray_106288_workers_1_13", "first image"))
 
 RAY_PAIRS = (("ray_106288_workers_1_3", "ray_106288_one_process_3"), ("ray_106288_workers_1_4", "ray_106288_one_process_4"),
              ("ray_106288_workers_1_5", "ray_106288_one_process_5"), ("ray_106288_workers_1_6", "ray_106288_one_process_6"),
@@ -176,6 +178,9 @@ RAY_PAIRS_LATER = (("ray_106288_workers_1_8", "ray_106288_one_process_8"),
 """A later machine session's two pairs, on a later tree."""
 RAY_PAIRS_LATEST = (("ray_106288_workers_1_10", "ray_106288_one_process_10"),
                     ("ray_106288_workers_1_11", "ray_106288_one_process_11"))
+
+RAY_PAIRS_D7ECEF5 = (("ray_106288_workers_1_12", "ray_106288_one_process_12"),
+                     ("ray_106288_workers_1_13", "ray_106288_one_process_13"))
 """The latest machine session's two pairs, on a later tree again."""
 
 
@@ -202,11 +207,12 @@ def ray_table() -> str:
     ratios = pair_ratios(RAY_PAIRS)
     lines += ["", f"Tree {load(RAY_PAIRS[0][0])['tree']['commit']}'s JSONL pairs, Ray's rate over the one process's next "
               f"to it: {', '.join(f'{x:.3f}' for x in ratios)}; median **{statistics.median(ratios):.3f}x**."]
-    for pairs in (RAY_PAIRS_LATER, RAY_PAIRS_LATEST):
+    later = (RAY_PAIRS_LATER, RAY_PAIRS_LATEST, RAY_PAIRS_D7ECEF5)
+    for pairs in later:
         lines += ["", f"Tree {load(pairs[0][0])['tree']['commit']}'s pairs, the same way: "
                   f"{', '.join(f'{x:.3f}' for x in pair_ratios(pairs))}."]
-    every = pair_ratios(RAY_PAIRS + RAY_PAIRS_LATER + RAY_PAIRS_LATEST)
-    lines += ["", f"All {len(every)} JSONL pairs of the three trees, pooled: median "
+    every = pair_ratios(RAY_PAIRS + sum(later, ()))
+    lines += ["", f"All {len(every)} JSONL pairs of the {len(later) + 1} trees, pooled: median "
               f"**{statistics.median(every):.3f}x**, from {min(every):.3f} to {max(every):.3f}."]
     return "\n".join(lines)
 
@@ -300,12 +306,49 @@ def threads_table() -> str:
                                "`--set` as the row says."])
 
 
+FIRST_RUN_VARIANTS = (("the default config", ("rf", "plain")), ("without the fused bias (`run.fuse_conv_bias=false`)", ("rf_nofuse",)),
+                      ("cuDNN's heuristic search (`cudnn_conv_algo_search=HEURISTIC`)", ("heuristic",)),
+                      ("NCHW, no fused bias (`run.prefer_nhwc=false`, `run.fuse_conv_bias=false`)", ("nchw",)),
+                      ("cuDNN's and cuBLAS's libraries loaded first", ("preload",)),
+                      ("another session's first run before it (a one-convolution model)", ("tiny",)))
+
+
+def first_run_table() -> str:
+    r = load("setup_first_run")
+    p, o = r["probe_warmup"], r["overlap"]
+    lines = ["| ORT session | its first run | every later run (CUDA graph captures included) | ready after |",
+             "| --- | --- | --- | --- |"]
+    runs = [run for session in p["sessions"] for run in session["runs"]]
+    for label, tags in FIRST_RUN_VARIANTS:
+        mine = [run for run in runs if run["tag"].rstrip("0123456789") in tags]
+        firsts = ", ".join(f"{run['ort_runs'][0]['s']:.2f}" for run in mine)
+        later = max(x["s"] for run in mine for x in run["ort_runs"][1:]) * 1000
+        ready = ", ".join(f"{run['from_config']:.1f}" for run in mine)
+        lines.append(f"| {label} | {firsts} s | at most {later:.0f} ms | {ready} s |")
+    lines += ["", f"{p['what']}. Two machine sessions ({r['machine']['gpus'][0]}, {r['date']}); {p['notes']}.", "",
+              "| the first run | imports (torch, gpudet) | the first run | done |", "| --- | --- | --- | --- |"]
+    for run in o["runs"]:
+        where = "on a thread, before the imports" if run["mode"] in ("thread", "boot") else "after the imports"
+        lines.append(f"| {where} | {run['imports'][0]:.1f}-{run['imports'][1]:.1f} s | "
+                     f"{run['first_run'][0]:.1f}-{run['first_run'][1]:.1f} s | **{run['first_run'][1]:.1f} s** |")
+    boot = [run["detector_first_run"] for run in o["runs"] if "detector_first_run" in run]
+    lines += ["", f"{o['what']}. A detector built after that run still paid its own session's first run: "
+              f"{', '.join(f'{x:.1f}' for x in boot)} s.", "",
+              "| tree | command | from the command | before gpudet's clock | Detector.from_config |",
+              "| --- | --- | --- | --- | --- |"]
+    for run in r["cli"]["runs"]:
+        lines.append(f"| {run['tree']} | {run['run']} | **{run['wall']:.2f} s** | {run['startup']:.2f} s | {run['setup']:.2f} s |")
+    lines += ["", f"{r['cli']['what']}. {r['cli']['notes']}."]
+    return "\n".join(lines)
+
+
 def shorten(command: str) -> str:
     return re.sub(r"--json \S+|/\S*/(?=\S+\.(txt|py))", "", command).replace("  ", " ").strip()
 
 
 SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "setup": setup_table, "retinanet": retinanet_table,
-            "ray": ray_table, "formats": formats_table, "threads": threads_table}
+            "ray": ray_table, "formats": formats_table, "threads": threads_table,
+            "first_run": first_run_table}
 
 
 def render(text: str, sections: dict) -> str:
