@@ -231,7 +231,8 @@ def decode_failed(item: EncodedImage, cause: Exception) -> ImageError:
     what = re.sub(r"\s*sample #\d+\s*:?\s*$", "", what).strip() or "rejected"
     where = f" ({operator.group(1)})" if operator else ""
     return ImageError(item.ref.index, item.ref.path, "decode_failed",
-                      f"cannot decode{where}: {what[:300]}; the file is corrupt or truncated")
+                      f"cannot decode{where}: {what[:300]}; the file is corrupt or truncated: copy or fetch "
+                      "it again, or re-encode it")
 
 
 def failed_alone(item: EncodedImage, cause: Exception) -> ImageError:

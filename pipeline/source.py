@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import glob as globlib
+import logging
 import os
 import stat
 from collections import deque
@@ -24,6 +25,8 @@ import numpy as np
 
 from .errors import SourceError
 from .results import ImageError, ImageRef
+
+log = logging.getLogger("gpudet")
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".jp2", ".pnm", ".ppm",
                               ".pgm"})
@@ -101,7 +104,8 @@ def read_list(path: Path, base: Path) -> list[ImageRef]:
     starts with # as `./#name`). A UTF-8 byte-order mark at the start of the file is ignored.
     Paths are UTF-8; other bytes are taken as they are, as the file system's names are (a
     record's path gives them back through os.fsencode). A relative path resolves against `base`
-    (--root, else the list's folder); a leading ~ is the home folder."""
+    (--root, else the list's folder); a leading ~ is the home folder. A path listed twice is two
+    images, at two indexes; how many lines repeat one before is logged as a warning."""
     data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
     base_text = str(base)
     refs = []
@@ -110,6 +114,11 @@ def read_list(path: Path, base: Path) -> list[ImageRef]:
         if not line.strip() or line.startswith(b"#"):
             continue
         refs.append(ImageRef(len(refs), resolved(base_text, os.fsdecode(line))))
+    repeats = len(refs) - len({ref.path for ref in refs})
+    if repeats:
+        log.warning("%s: %d %s a path listed before; each line is processed and recorded at its own index "
+                    "(remove the repeats to process each image once)", path, repeats,
+                    "line repeats" if repeats == 1 else "lines repeat")
     return refs
 
 
@@ -274,11 +283,12 @@ def read_checked(ref: ImageRef, max_pixels: int = 0, max_bytes: int = 0) -> Enco
     except (NotAFile, IsADirectoryError) as e:
         kind = "a directory" if isinstance(e, IsADirectoryError) else str(e)
         return ImageError(ref.index, ref.path, "not_a_file", f"is {kind}, not an image file: only regular files "
-                                                             "are read")
+                                                             "are read; list the image file itself")
     except FileTooLarge as e:
         return over_cap(ref, e.size, max_bytes)
     except OSError as e:
-        return ImageError(ref.index, ref.path, "unreadable", f"cannot read: {e.strerror or e}")
+        return ImageError(ref.index, ref.path, "unreadable", f"cannot read: {e.strerror or e}; check the file's "
+                                                         "permissions and the disk it is on")
     except ValueError:  # no file name holds a NUL byte (a binary file given as the list, say)
         return ImageError(ref.index, ref.path, "unreadable",
                           "the path holds a NUL byte, which no file name can; check the list")
@@ -295,18 +305,21 @@ def checked_bytes(item: EncodedImage, max_pixels: int = 0) -> EncodedImage | Ima
     declares, or why it cannot be one."""
     ref, data = item.ref, item.data
     if not len(data):
-        return ImageError(ref.index, ref.path, "empty", "file is empty (0 bytes)")
+        return ImageError(ref.index, ref.path, "empty", "file is empty (0 bytes); copy or fetch it again, or "
+                                                  "remove it from the source")
     head = data[:16].tobytes()
     kind = sniff_format(head)
     if kind is None:
         return ImageError(ref.index, ref.path, "unknown_format",
-                          "not a JPEG, PNG, BMP, TIFF, WebP, JPEG 2000 or PNM file (by its first bytes, not its name)")
+                          "not a JPEG, PNG, BMP, TIFF, WebP, JPEG 2000 or PNM file (by its first bytes, not its name); "
+                          "convert it to one, or remove it from the source")
     size = image_size(data.tobytes() if kind in ("jpeg2000", "tiff") else data[:65536].tobytes(), kind)
     if kind == "jpeg" and size is None and len(data) > 65536:  # a frame header after large metadata
         size = image_size(data.tobytes(), kind)
     if size is None or min(size) <= 0:
         return ImageError(ref.index, ref.path, "bad_header",
-                          f"{kind} header does not give a valid image size (truncated or corrupt file)")
+                          f"{kind} header does not give a valid image size (truncated or corrupt file); copy or fetch it "
+                          "again")
     if max_pixels and size[0] * size[1] > max_pixels:
         return ImageError(ref.index, ref.path, "too_large",
                           f"{kind} declares {size[0]}x{size[1]} = {size[0] * size[1]:,} pixels, over the limit of "

@@ -122,6 +122,10 @@ def test_fault_injection_corpus(tmp_path, device):
     outcome = {r["index"]: f"faces={len(r['detections'])}" for r in done} | {e["index"]: e["reason"] for e in failed}
     for index, name in enumerate(names):
         assert outcome[index] in expected[name], (name, outcome[index])
+    # Each record says what is wrong and, after a semicolon, what to do about it.
+    next_steps = ("check", "copy", "fetch", "raise", "list", "convert", "remove", "pass", "lower")
+    for error in failed:
+        assert any(step in error["message"].rsplit(";", 1)[-1] for step in next_steps), error
     by_name = {Path(r["path"]).name: r for r in done}
     # EXIF: the record has the display size and the box of the upright photo.
     upright, rotated = by_name["good.jpg"], by_name["exif_rotated.jpg"]

@@ -21,6 +21,23 @@ def test_file_list_resolves_relative_paths_against_its_folder_or_root(tmp_path):
     assert list_images(listing, root=tmp_path / "data")[0].path == str(tmp_path / "data" / "a.jpg")
 
 
+def test_a_list_that_repeats_paths_says_how_many_and_keeps_each_line(tmp_path, caplog):
+    """README, "File lists": each line is an image at its own index, a repeated path too; the
+    repeats are counted in one warning, so that a list built by appending is noticed."""
+    listing = tmp_path / "list.txt"
+    listing.write_text("a.jpg\nb.jpg\na.jpg\n./b.jpg\nc.jpg\n")
+    with caplog.at_level("WARNING", logger="gpudet"):
+        refs = list_images(listing)
+    assert [r.index for r in refs] == [0, 1, 2, 3, 4] and refs[2].path == refs[0].path
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{listing}: 2 lines repeat a path listed before; each line is processed and recorded at its own index "
+        "(remove the repeats to process each image once)"]
+    caplog.clear()
+    listing.write_text("a.jpg\nb.jpg\n")
+    list_images(listing)
+    assert not caplog.records
+
+
 def test_a_root_that_is_no_folder_or_resolves_nothing_is_refused(tmp_path):
     """--root that does not exist would make every listed path 'missing'; beside a source that is
     not a file list it would do nothing: both refused up front, naming the flag."""
