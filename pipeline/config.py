@@ -288,7 +288,12 @@ def _data_dir(name: str) -> Path:
 
 def option_overrides(*, model: str | None = None, device: str | None = None,
                      batch_size: int | None = None) -> list[str]:
-    """The `--set` overrides that the --model, --device and --batch-size options stand for."""
+    """The `--set` overrides that the --model, --device and --batch-size options stand for (the
+    API's from_config keywords too, so a wrong type is refused here, not parsed into a right one)."""
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)):
+        raise ConfigError(f"batch_size={batch_size!r}: give a whole number of images, e.g. batch_size=32")
+    if device is not None and not isinstance(device, str):
+        raise ConfigError(f"device={device!r}: give one of 'auto', 'cpu', 'cuda', 'cuda:N'")
     overrides = []
     if model is not None:
         overrides += [f"model.path={json.dumps(str(model))}", "model.cpu_path=null"]

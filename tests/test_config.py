@@ -94,6 +94,18 @@ def test_the_detector_hands_the_run_options_to_the_cuda_ep():
                                             "gpu_mem_limit": str(64 << 20), "arena_extend_strategy": "kSameAsRequested"}
 
 
+def test_the_api_keywords_are_type_checked_as_the_cli_options_are():
+    """from_config(batch_size="8") would become run.batch_size=8 through the overrides' YAML:
+    refused, as --batch-size refuses a non-number."""
+    from pipeline import Detector
+
+    for kwargs, match in (({"batch_size": "8"}, r"batch_size='8': give a whole number"),
+                          ({"batch_size": 8.0}, "batch_size=8.0"), ({"batch_size": True}, "batch_size=True"),
+                          ({"device": 0}, r"device=0: give one of")):
+        with pytest.raises(ConfigError, match=match):
+            Detector.from_config(**kwargs)
+
+
 def test_fusing_the_conv_bias_needs_nhwc(tmp_path):
     """In NCHW cuDNN had no fused kernel for RetinaNet's stem on the H200 (the first batch failed
     deep in ORT): the config says so before any model loads."""
