@@ -11,10 +11,15 @@ import logging
 import os
 import shlex
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ._version import __version__
 from .errors import EXIT_OK, EXIT_SOME_FAILED, ConfigError, catch_signals, guarded, setup_logging, signals_held
+
+if TYPE_CHECKING:
+    from .config import Config
 
 log = logging.getLogger("gpudet")
 
@@ -124,13 +129,35 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_detect(args: argparse.Namespace) -> int:
     from .config import load_config, option_overrides
 
+    if args.devices is not None and args.ray is not None:
+        raise ConfigError("--devices and --ray do not go together: Ray places one actor per GPU itself")
+    if args.workers is not None and args.ray is None:
+        raise ConfigError("--workers is the number of --ray actors; without --ray, use --devices for several "
+                          "devices of this host")
     overrides = args.overrides + option_overrides(model=args.model, device=args.device, batch_size=args.batch_size)
     config = load_config(args.config, overrides, origin="--set")
-    with signals_held():
-        if args.devices is None and args.ray is None:
-            from .session import start_early
+    if args.devices is None and args.ray is None:
+        with started_early(config):
+            return _detect(args, config)
+    return _detect(args, config)
 
-            start_early(config)  # the model's first run on the GPU, beside the imports below
+
+@contextmanager
+def started_early(config: Config):
+    """session.start_early before the imports of torch, DALI and Triton (the model's first run on
+    the GPU beside them); a session no detector took is let go when the command ends."""
+    with signals_held():
+        from .session import drop_started, start_early
+
+        start_early(config)
+    try:
+        yield
+    finally:
+        drop_started()
+
+
+def _detect(args: argparse.Namespace, config: Config) -> int:
+    with signals_held():
         from .runner import run_detect
     from .sinks import written_format
 
@@ -138,11 +165,6 @@ def cmd_detect(args: argparse.Namespace) -> int:
     output_format = args.output_format or (args.resume and written_format(args.out)) or "jsonl"
     options = dict(root=args.root, progress=progress, output_format=output_format, resume=args.resume,
                    overwrite=args.overwrite, retry_failed=args.retry_failed)
-    if args.devices is not None and args.ray is not None:
-        raise ConfigError("--devices and --ray do not go together: Ray places one actor per GPU itself")
-    if args.workers is not None and args.ray is None:
-        raise ConfigError("--workers is the number of --ray actors; without --ray, use --devices for several "
-                          "devices of this host")
     if args.devices is not None:
         from .parallel import parse_devices, run_on_devices
 
@@ -283,16 +305,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     overrides = args.overrides + option_overrides(device=args.device, batch_size=args.batch_size)
     config = load_config(args.config, overrides, origin="--set")
-    with signals_held():
-        from .session import start_early
+    with started_early(config):
+        with signals_held():
+            from .bench import format_report, run_bench, write_report
 
-        start_early(config)  # the model's first run on the GPU, beside the imports below
-        from .bench import format_report, run_bench, write_report
-
-    report = run_bench(args.source, config, limit=args.limit,
-                       iterations=args.iterations, skip_naive=args.skip_naive, naive_limit=args.naive_limit,
-                       latency=args.latency, passes=args.passes, output_format=args.output_format,
-                       command=shlex.join(["gpudet", *args.argv]))
+        report = run_bench(args.source, config, limit=args.limit, iterations=args.iterations,
+                           skip_naive=args.skip_naive, naive_limit=args.naive_limit, latency=args.latency,
+                           passes=args.passes, output_format=args.output_format,
+                           command=shlex.join(["gpudet", *args.argv]))
     if args.json:
         write_report(report, args.json)
     say(format_report(report))

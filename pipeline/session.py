@@ -4,9 +4,9 @@
 overrides) and opens the session on the CPU or on a CUDA device with the CUDA EP's options and a
 compute stream of the caller's. Engine opens its session through it.
 
-A session's first run on a GPU costs seconds (ORT's CUDA EP prepares every convolution for its
-shapes; docs/BENCHMARKS.md, "Setup"), and the imports before it (torch, DALI, Triton) cost seconds
-more, with the GIL held. `start_early` opens the session a config asks for before those imports,
+A session's first run on a GPU costs seconds, once per session (docs/BENCHMARKS.md, "Setup: the
+model's first run"), and the imports before it (torch, DALI, Triton) cost seconds more, with the
+GIL held. `start_early` opens the session a config asks for before those imports,
 on a CUDA stream of its own, and starts its first run on the thread that will be the engine's:
 ORT releases the GIL for the run, so the two overlap. Engine takes that session, thread and
 stream over when it is built for the same model, device and options (`take_started`); otherwise
@@ -16,9 +16,9 @@ nothing is taken and Engine opens its own.
 from __future__ import annotations
 
 import ctypes
-import glob
 import logging
 import os
+import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -210,6 +210,8 @@ class Started:
     """The executor's one thread: the engine's, where every run of this session goes."""
     opened: Opened
     first_run: Future
+    run_options: ort.RunOptions
+    """The first run's options: `terminate` ends it early when no Engine takes the session."""
 
 
 _started: dict[tuple, Started] = {}
@@ -227,9 +229,12 @@ def take_started(key: tuple) -> Started | None:
 
 
 def drop_started() -> None:
-    """Let go of sessions started early that no Engine took (the device was not the one foreseen)."""
+    """Let go of sessions started early that no Engine took (the device was not the one foreseen,
+    or the command ended before building its detector): their first run is told to stop, so that
+    neither its memory nor the wait for its thread at exit outlasts it."""
     while _started:
         _, started = _started.popitem()
+        started.run_options.terminate = True
         started.executor.shutdown(wait=False)
 
 
@@ -260,14 +265,18 @@ def start_early(config: Config) -> None:
                "max_detections": q.max_detections}
     executor = ThreadPoolExecutor(1, thread_name_prefix="gpudet-engine")
     thread = executor.submit(threading.current_thread).result()
+    run_options = ort.RunOptions()
+    if opened.cuda_graph:
+        run_options.add_run_config_entry("gpu_graph_id", "-1")  # run, neither capture nor replay
     first_run = executor.submit(_first_run, opened, index, opened.image_input.batch or run.batch_size, size_hw,
-                                scalars)
+                                scalars, run_options)
     key = session_key(model_path, index, input_size_hw=size_hw, batch_size=batch_size, cuda_options=options,
                       cuda_graph=run.cuda_graph)
-    _started[key] = Started(stream, executor, thread, opened, first_run)
+    _started[key] = Started(stream, executor, thread, opened, first_run, run_options)
 
 
-def _first_run(opened: Opened, index: int, batch: int, size_hw: tuple[int, int], scalars: dict) -> None:
+def _first_run(opened: Opened, index: int, batch: int, size_hw: tuple[int, int], scalars: dict,
+               options: ort.RunOptions) -> None:
     """One run on a zero batch (the CUDA EP's one-time work), outside any CUDA graph."""
     image = opened.image_input
     height, width = image.size_hw or size_hw
@@ -280,16 +289,14 @@ def _first_run(opened: Opened, index: int, batch: int, size_hw: tuple[int, int],
             binding.bind_cpu_input(spec.name, np.array([scalars[spec.name]], SCALAR_INPUTS[spec.name]))
     for spec in opened.outputs:
         binding.bind_output(spec.name, "cuda", index)
-    options = ort.RunOptions()
-    if opened.cuda_graph:
-        options.add_run_config_entry("gpu_graph_id", "-1")  # run, neither capture nor replay
     opened.session.run_with_iobinding(binding, options)
 
 
 def new_stream(index: int) -> int | None:
     """A non-blocking CUDA stream on cuda:`index` (torch's own streams are so), made through the
     CUDA runtime that onnxruntime loaded, without torch; None if that runtime or a driver is not
-    found. The calling thread's current device is left as it was."""
+    found. The calling thread's current device becomes cuda:`index`, as the session's opening on
+    it makes it anyway (going back to the device before would make a context on cuda:0)."""
     try:
         ctypes.CDLL("libcuda.so.1")  # the driver: without it there is no GPU to start anything on
     except OSError:
@@ -298,34 +305,30 @@ def new_stream(index: int) -> int | None:
     cudart = _cudart()
     if cudart is None:
         return None
-    previous, stream = ctypes.c_int(), ctypes.c_void_p()
-    if cudart.cudaGetDevice(ctypes.byref(previous)) or cudart.cudaSetDevice(index):
+    stream = ctypes.c_void_p()
+    if cudart.cudaSetDevice(index) or cudart.cudaStreamCreateWithFlags(ctypes.byref(stream), 1):  # non-blocking
         return None
-    try:
-        if cudart.cudaStreamCreateWithFlags(ctypes.byref(stream), 1):  # cudaStreamNonBlocking
-            return None
-    finally:
-        cudart.cudaSetDevice(previous.value)
     return stream.value
 
 
 def _cudart() -> ctypes.CDLL | None:
-    """The CUDA runtime library already loaded in this process, else the one beside onnxruntime's
-    CUDA libraries (the nvidia-* wheels)."""
+    """The CUDA runtime of the CUDA major onnxruntime was built for, as onnxruntime.preload_dlls
+    loaded it (from the nvidia-* wheels); None if it is not loaded: a second runtime is never
+    brought in."""
+    from onnxruntime.capi import build_and_package_info
+
+    major = getattr(build_and_package_info, "cuda_version", "").split(".")[0]
+    if not major:
+        return None
     try:
         with open("/proc/self/maps") as maps:
-            loaded = [line.split()[-1] for line in maps if "/libcudart.so" in line]
+            loaded = {line.split()[-1] for line in maps
+                      if re.search(rf"/libcudart\.so\.{major}(\.\d+)*$", line.rstrip())}
     except OSError:
-        loaded = []
-    try:
-        import nvidia  # the nvidia-* wheels' namespace, where onnxruntime-gpu finds its CUDA libraries
-    except ImportError:
-        nvidia = None
-    roots = list(nvidia.__path__) if nvidia is not None else []
-    found = loaded + sorted(p for root in roots for p in glob.glob(os.path.join(root, "*", "lib", "libcudart.so.*")))
-    for path in found:
+        return None
+    for path in sorted(loaded):
         try:
-            return ctypes.CDLL(path)
+            return ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
         except OSError:
             continue
     return None

@@ -381,6 +381,30 @@ def test_start_early_starts_nothing_off_the_gpu():
     assert not session._started
 
 
+def test_an_early_session_no_engine_takes_is_told_to_stop_and_let_go():
+    """drop_started (after from_config's engine, and when the command ends): a session start_early
+    left is removed, its first run's terminate flag set (ORT ends a run between its nodes), its
+    thread let go, so that neither its memory nor the wait at exit outlasts the command."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import onnxruntime as ort
+
+    from pipeline import session
+
+    executor, release = ThreadPoolExecutor(1), threading.Event()
+    thread = executor.submit(threading.current_thread).result()
+    options = ort.RunOptions()
+    first_run = executor.submit(release.wait, 5)  # stands in for a run still going
+    session._started[("key",)] = session.Started(0, executor, thread, None, first_run, options)
+    session.drop_started()
+    assert not session._started and options.terminate
+    release.set()
+    assert first_run.result(timeout=5)
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        executor.submit(print)
+
+
 @pytest.mark.cuda
 def test_a_session_started_early_is_taken_over_with_its_first_run():
     """session.start_early (what `gpudet detect` and `gpudet bench` call before their imports)
