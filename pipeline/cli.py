@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     draw.add_argument("--min-score", type=float, default=0.0,
                       help="draw detections scoring at least this (default 0: all)")
     draw.add_argument("--root", help="folder that relative paths in the records resolve against (default: the "
-                                     "working directory; give the one detect ran in)")
+                                     "one detect ran in, from the output folder's summary.json)")
     draw.add_argument("--format", dest="image_format", choices=["jpg", "png", "webp"], default="jpg",
                       help="image format of the drawings (default jpg)")
     return parser
@@ -275,9 +275,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_draw(args: argparse.Namespace) -> int:
     from .coco import read_detections
-    from .draw import draw_records
+    from .draw import draw_records, recorded_root
 
-    written, skipped = draw_records(read_detections(args.detections), args.out, root=args.root, limit=args.limit,
+    root = args.root if args.root is not None else recorded_root(args.detections)
+    written, skipped = draw_records(read_detections(args.detections), args.out, root=root, limit=args.limit,
                                     min_score=args.min_score, image_format=args.image_format)
     for line in skipped:
         log.warning("not drawn: %s", line)

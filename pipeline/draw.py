@@ -9,6 +9,7 @@ leave the image at the top is drawn inside its box.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -75,6 +76,21 @@ def draw_records(records: Iterable[dict], out_dir: str | Path, *, root: str | Pa
         image.save(path, FORMATS[image_format], **({"quality": 90} if image_format != "png" else {}))
         written.append(path)
     return written, skipped
+
+
+def recorded_root(detections: str | Path) -> str | None:
+    """The folder the run that wrote `detections` (its output folder, detections.jsonl,
+    detections.parquet or one of its files) ran in, from the output folder's summary.json: the
+    records' relative paths resolve against it. None if there is no summary to say."""
+    path = Path(detections)
+    folder = path if path.is_dir() and path.suffix != ".parquet" else path.parent
+    if folder.suffix == ".parquet":  # a file inside detections.parquet/
+        folder = folder.parent
+    try:
+        cwd = json.loads((folder / "summary.json").read_text()).get("cwd")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return cwd if isinstance(cwd, str) else None
 
 
 def safe_stem(path: Path) -> str:

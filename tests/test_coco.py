@@ -122,9 +122,10 @@ def test_log_json_and_quiet(tmp_path, capsys):
     assert finished["level"] == "INFO" and finished["summary"]["processed"] == 6
 
 
-def test_draw_from_another_folder_with_root_skips_a_deleted_image_and_reports_it(tmp_path):
-    """Records with relative paths (detect run in the samples' parent), drawn from elsewhere with
-    --root; an image deleted since the run is skipped and named, the others drawn (exit 3)."""
+def test_draw_from_another_folder_skips_a_deleted_image_and_reports_it(tmp_path):
+    """Records with relative paths (detect run in the samples' parent), drawn from elsewhere: they
+    resolve against the folder the run ran in (summary.json's cwd), or --root; an image deleted
+    since the run is skipped and named, the others drawn (exit 3)."""
     import shutil
 
     work = tmp_path / "work"
@@ -135,12 +136,15 @@ def test_draw_from_another_folder_with_root_skips_a_deleted_image_and_reports_it
     (work / "photos" / "china.jpg").unlink()
     draw = [sys.executable, "-m", "pipeline", "draw", str(work / "out" / "detections.jsonl"), "--out",
             str(tmp_path / "vis"), "--format", "png"]
-    without_root = subprocess.run(draw, cwd=tmp_path, capture_output=True, text=True)
-    assert without_root.returncode == 3 and "Traceback" not in without_root.stderr
-    assert "photos/astronaut.png" in without_root.stderr and "--root" in without_root.stdout
-    drawn = subprocess.run(draw + ["--root", str(work)], cwd=tmp_path, capture_output=True, text=True)
+    drawn = subprocess.run(draw, cwd=tmp_path, capture_output=True, text=True)
     assert drawn.returncode == 3 and "5 images drawn" in drawn.stdout, drawn.stderr
     assert "china.jpg" in drawn.stderr and sorted(p.suffix for p in (tmp_path / "vis").iterdir()) == [".png"] * 5
+    for folder in ("out", "out/detections.jsonl"):  # the output folder or its file: the same summary
+        assert subprocess.run(draw[:4] + [str(work / folder)] + draw[5:], cwd=tmp_path, capture_output=True,
+                              text=True).returncode == 3
+    wrong_root = subprocess.run(draw + ["--root", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True)
+    assert wrong_root.returncode == 3 and "Traceback" not in wrong_root.stderr
+    assert "photos/astronaut.png" in wrong_root.stderr and "--root" in wrong_root.stdout
 
 
 def test_a_label_at_the_top_edge_stays_in_the_image_and_scales_with_it():
