@@ -24,14 +24,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import Config, check_thresholds, load_config, option_overrides, resolve_model_path
+from .config import Config, check_thresholds, load_config, option_overrides
 from .device import Device, free_bytes, resolve_device
 from .engine import ORT_TO_TORCH, Engine, Launched, detect_contract, landmark_points, model_record
 from .errors import ConfigError
 from .postprocess import DeviceDetections, EndToEnd, GraphCache, RetinaNetHeads, SsdHeads, Thresholds, image_meta
 from .preprocess import PreprocessedBatch, Preprocessor, preprocess_stream
 from .results import Detections, ImageError, ImageResult
-from .session import cuda_ep_options, drop_started
+from .session import drop_started, engine_arguments
 from .source import FLUSH, EncodedImage, Item, PixelImage, as_item, batched, list_images, read_chunks, within_pixels
 from .timing import StageClock
 
@@ -88,13 +88,8 @@ class Detector:
             raise ValueError("overrides apply to a config file; change a loaded Config with dataclasses.replace")
         m, p, q, r = config.model, config.preprocess, config.postprocess, config.run
         target = resolve_device(r.device)
-        engine = Engine(resolve_model_path(config, on_cpu=not target.is_cuda), device=target,
-                        input_size_hw=tuple(p.size), scalars={"score_threshold": q.score_threshold,
-                                                              "iou_threshold": q.iou_threshold,
-                                                              "max_detections": q.max_detections},
-                        batch_size=r.batch_size if r.cuda_graph and target.is_cuda else None,
-                        cuda_options=cuda_ep_options(r),
-                        cuda_graph=r.cuda_graph, slots=r.pipeline_depth, oom_retry=r.oom_retry)
+        engine = Engine(device=target, slots=r.pipeline_depth, oom_retry=r.oom_retry,
+                        **engine_arguments(config, on_gpu=target.is_cuda))
         drop_started()  # a session start_early opened for another device or options, if any
         if engine.declared_batch not in (None, r.batch_size):
             log.info("%s takes batches of exactly %d images: run.batch_size %d -> %d", engine.model_path.name,

@@ -52,7 +52,8 @@ import torch
 
 from .device import Device
 from .errors import GpuOutOfMemory, ModelError
-from .session import SCALAR_INPUTS, TensorSpec, describe_io, open_session, session_key, take_started
+from .session import (SCALAR_INPUTS, TensorSpec, bind_scalars, describe_io, open_session, session_key,
+                      take_started)
 
 ORT_TO_TORCH = {
     "tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(int64)": torch.int64,
@@ -134,9 +135,7 @@ class Engine:
     def bind_scalars(self, values: dict[str, float | int]) -> None:
         """The postprocess inputs the model declares (score_threshold, iou_threshold,
         max_detections), bound from `values` on the host, where ORT's kernels read them."""
-        for spec in self.inputs:
-            if spec.name in SCALAR_INPUTS:
-                self.binding.bind_cpu_input(spec.name, np.array([values[spec.name]], SCALAR_INPUTS[spec.name]))
+        bind_scalars(self.binding, self.inputs, values)
 
     def _graph_input(self, images, slot: int) -> torch.Tensor:
         """The batch copied into the slot's own input buffer, on ORT's stream: the model's kernels
@@ -215,11 +214,8 @@ class Engine:
 
     def zero_batch(self, batch_size: int, size_hw: tuple[int, int]) -> torch.Tensor:
         """A batch of zeros shaped and typed as the model's image input, on its device."""
-        spec = self.image_input
-        height, width = spec.size_hw or size_hw
-        shape = (batch_size, 3, height, width) if spec.layout == "NCHW" else (batch_size, height, width, 3)
-        dtype = torch.float16 if spec.dtype == "float16" else torch.float32
-        return torch.zeros(shape, dtype=dtype, device=self.device.torch)
+        dtype = torch.float16 if self.image_input.dtype == "float16" else torch.float32
+        return torch.zeros(self.image_input.batch_shape(batch_size, size_hw), dtype=dtype, device=self.device.torch)
 
     def run(self, images, slot: int = 0) -> dict[str, torch.Tensor]:
         """Run on `images` (any DLPack tensor on this device, shaped as the model's image input),

@@ -54,6 +54,11 @@ class ImageInput:
     size_hw: tuple[int, int] | None  # static model input size, or None when any size is accepted
     batch: int | None = None  # static batch size, or None when any batch size is accepted
 
+    def batch_shape(self, batch_size: int, size_hw: tuple[int, int]) -> tuple[int, int, int, int]:
+        """A batch's shape in this input's layout (size_hw where the model leaves the size open)."""
+        height, width = self.size_hw or size_hw
+        return (batch_size, 3, height, width) if self.layout == "NCHW" else (batch_size, height, width, 3)
+
 
 def describe_io(specs: list[TensorSpec]) -> str:
     return "; ".join(s.describe() for s in specs) or "(none)"
@@ -109,6 +114,26 @@ def check_external_data(model_path: Path) -> None:
         if Path(location).is_absolute() or not target.is_relative_to(folder):
             raise ModelError(f"{model_path}: tensor {tensor.name!r} reads external data from {location!r}, outside "
                              f"the model's folder {folder}; refusing to load it")
+
+
+def bind_scalars(binding: ort.IOBinding, inputs: list[TensorSpec], values: dict[str, float | int]) -> None:
+    """The postprocess inputs a model declares (score_threshold, iou_threshold, max_detections),
+    bound from `values` on the host, where ORT's kernels read them."""
+    for spec in inputs:
+        if spec.name in SCALAR_INPUTS:
+            binding.bind_cpu_input(spec.name, np.array([values[spec.name]], SCALAR_INPUTS[spec.name]))
+
+
+def engine_arguments(config: Config, *, on_gpu: bool) -> dict:
+    """Engine's arguments from a config, for a GPU or the CPU: what Detector.from_config builds
+    its engine with, and what start_early opens the same session with."""
+    q, r = config.postprocess, config.run
+    return dict(model_path=resolve_model_path(config, on_cpu=not on_gpu),
+                input_size_hw=tuple(config.preprocess.size),
+                scalars={"score_threshold": q.score_threshold, "iou_threshold": q.iou_threshold,
+                         "max_detections": q.max_detections},
+                batch_size=r.batch_size if r.cuda_graph and on_gpu else None, cuda_options=cuda_ep_options(r),
+                cuda_graph=r.cuda_graph)
 
 
 def cuda_ep_options(run: RunConfig) -> dict[str, str]:
@@ -248,45 +273,32 @@ def start_early(config: Config) -> None:
         return
     try:
         index = 0 if run.device in ("auto", "cuda") else int(run.device.removeprefix("cuda:"))
-        model_path = resolve_model_path(config)
+        args = engine_arguments(config, on_gpu=True)
+        scalars = args.pop("scalars")
         stream = new_stream(index)
         if stream is None:
             return
-        options = cuda_ep_options(run)
-        batch_size = run.batch_size if run.cuda_graph else None
-        size_hw = tuple(config.preprocess.size)
-        opened = open_session(model_path, cuda_index=index, stream=stream, input_size_hw=size_hw,
-                              batch_size=batch_size, cuda_options=options, cuda_graph=run.cuda_graph)
+        opened = open_session(cuda_index=index, stream=stream, **args)
     except Exception as e:  # ConfigError, ModelError, ORT's: Detector.from_config reports them
         log.debug("no early start of the session: %s", e)
         return
-    q = config.postprocess
-    scalars = {"score_threshold": q.score_threshold, "iou_threshold": q.iou_threshold,
-               "max_detections": q.max_detections}
     executor = ThreadPoolExecutor(1, thread_name_prefix="gpudet-engine")
     thread = executor.submit(threading.current_thread).result()
     run_options = ort.RunOptions()
     if opened.cuda_graph:
         run_options.add_run_config_entry("gpu_graph_id", "-1")  # run, neither capture nor replay
-    first_run = executor.submit(_first_run, opened, index, opened.image_input.batch or run.batch_size, size_hw,
-                                scalars, run_options)
-    key = session_key(model_path, index, input_size_hw=size_hw, batch_size=batch_size, cuda_options=options,
-                      cuda_graph=run.cuda_graph)
-    _started[key] = Started(stream, executor, thread, opened, first_run, run_options)
+    shape = opened.image_input.batch_shape(opened.image_input.batch or run.batch_size, args["input_size_hw"])
+    first_run = executor.submit(_first_run, opened, index, shape, scalars, run_options)
+    _started[session_key(cuda_index=index, **args)] = Started(stream, executor, thread, opened, first_run, run_options)
 
 
-def _first_run(opened: Opened, index: int, batch: int, size_hw: tuple[int, int], scalars: dict,
-               options: ort.RunOptions) -> None:
+def _first_run(opened: Opened, index: int, shape: tuple[int, ...], scalars: dict, options: ort.RunOptions) -> None:
     """One run on a zero batch (the CUDA EP's one-time work), outside any CUDA graph."""
     image = opened.image_input
-    height, width = image.size_hw or size_hw
-    shape = (batch, 3, height, width) if image.layout == "NCHW" else (batch, height, width, 3)
     binding = opened.session.io_binding()
     zeros = np.zeros(shape, np.float16 if image.dtype == "float16" else np.float32)
     binding.bind_ortvalue_input(image.name, ort.OrtValue.ortvalue_from_numpy(zeros, "cuda", index))
-    for spec in opened.inputs:
-        if spec.name in SCALAR_INPUTS:
-            binding.bind_cpu_input(spec.name, np.array([scalars[spec.name]], SCALAR_INPUTS[spec.name]))
+    bind_scalars(binding, opened.inputs, scalars)
     for spec in opened.outputs:
         binding.bind_output(spec.name, "cuda", index)
     opened.session.run_with_iobinding(binding, options)
