@@ -831,7 +831,8 @@ class OutputFolder:
                       loop_seconds: float, started: datetime, model: dict | None = None, config: dict | None = None,
                       extra: dict | None = None) -> dict:
         """summary.json: this run's tally and times (seconds: total, setup and the stages), with
-        what ran it and where (cwd: the folder relative paths in the records resolve against). images_per_s counts the images recorded per second of the loop (after setup)."""
+        what ran it and where (cwd: the folder relative paths in the records resolve against).
+        images_per_s counts the images recorded per second of the loop (after setup)."""
         t = self.tally
         summary = {
             "gpudet": __version__, "source": source, "cwd": os.getcwd(), "out": str(self.path),

@@ -318,8 +318,8 @@ def checked_bytes(item: EncodedImage, max_pixels: int = 0) -> EncodedImage | Ima
         size = image_size(data.tobytes(), kind)
     if size is None or min(size) <= 0:
         return ImageError(ref.index, ref.path, "bad_header",
-                          f"{kind} header does not give a valid image size (truncated or corrupt file); copy or fetch it "
-                          "again")
+                          f"{kind} header does not give a valid image size (truncated or corrupt file); copy or "
+                          "fetch it again")
     if max_pixels and size[0] * size[1] > max_pixels:
         return ImageError(ref.index, ref.path, "too_large",
                           f"{kind} declares {size[0]}x{size[1]} = {size[0] * size[1]:,} pixels, over the limit of "
