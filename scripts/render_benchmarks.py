@@ -306,7 +306,8 @@ def threads_table() -> str:
                                "`--set` as the row says."])
 
 
-FIRST_RUN_VARIANTS = (("the default config", ("rf", "plain")), ("without the fused bias (`run.fuse_conv_bias=false`)", ("rf_nofuse",)),
+FIRST_RUN_VARIANTS = (("the default config", ("rf", "plain")),
+                      ("without the fused bias (`run.fuse_conv_bias=false`)", ("rf_nofuse",)),
                       ("cuDNN's heuristic search (`cudnn_conv_algo_search=HEURISTIC`)", ("heuristic",)),
                       ("NCHW, no fused bias (`run.prefer_nhwc=false`, `run.fuse_conv_bias=false`)", ("nchw",)),
                       ("cuDNN's and cuBLAS's libraries loaded first", ("preload",)),
@@ -337,7 +338,8 @@ def first_run_table() -> str:
               "| tree | command | from the command | before gpudet's clock | Detector.from_config |",
               "| --- | --- | --- | --- | --- |"]
     for run in r["cli"]["runs"]:
-        lines.append(f"| {run['tree']} | {run['run']} | **{run['wall']:.2f} s** | {run['startup']:.2f} s | {run['setup']:.2f} s |")
+        lines.append(f"| {run['tree']} | {run['run']} | **{run['wall']:.2f} s** | {run['startup']:.2f} s | "
+                     f"{run['setup']:.2f} s |")
     lines += ["", f"{r['cli']['what']}. {r['cli']['notes']}."]
     return "\n".join(lines)
 
