@@ -255,12 +255,13 @@ def take_started(key: tuple) -> Started | None:
 
 def drop_started() -> None:
     """Let go of sessions started early that no Engine took (the device was not the one foreseen,
-    or the command ended before building its detector): their first run is told to stop, so that
-    neither its memory nor the wait for its thread at exit outlasts it."""
+    or the command ended before building its detector): their first run is told to stop, and ends
+    after the node it is in (ORT checks between nodes: at most a few tenths of a second). It is
+    waited for: a CUDA graph captured meanwhile on another stream fails at that run's allocations."""
     while _started:
         _, started = _started.popitem()
         started.run_options.terminate = True
-        started.executor.shutdown(wait=False)
+        started.executor.shutdown(wait=True)
 
 
 def start_early(config: Config) -> None:
