@@ -103,6 +103,8 @@ class Engine:
             self.stream = torch.cuda.ExternalStream(started.stream, device=device.torch)
             self._executor, self._thread = started.executor, started.thread
             opened, self._first_run = started.opened, started.first_run
+            log.debug("%s on %s: the session opened early is taken over, its first run under way",
+                      self.model_path.name, device)
         else:
             self.stream = torch.cuda.Stream(device.torch) if device.is_cuda else None
             # Every ORT run on this one thread (module docstring); it ends when the engine is collected.

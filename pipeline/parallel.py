@@ -39,7 +39,6 @@ from .config import Config
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, DeviceError, guarded, \
     logging_settings, setup_logging, signals_held
 from .results import ImageRef
-from .runner import detect_into
 from .sinks import SHARDS, OutputFolder, RunResult, Row, Tally, recorded, records_in, result_paths
 from .source import list_images
 
@@ -84,11 +83,22 @@ def _worker(todo: list[ImageRef], shard: str, config: Config, output_format: str
 
     def run() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # held by the parent
-        # Parquet rows written every 2 s: the parent's progress bar reads the shard's files, and
-        # restarts a worker that died only if it had recorded images.
-        with OutputFolder(shard, output_format=output_format, resume=True, flush_s=2.0) as folder:
-            return detect_into(folder, todo, config, source=source, images=images, progress=False).exit_code
+        # SIGINT and SIGTERM stay held, as the parent held them when it started this process, while
+        # the model's session opens with its first run on the GPU (session.start_early) and, beside
+        # that run, torch, DALI and Triton load.
+        from .session import drop_started, start_early
+
+        start_early(config)
+        try:
+            from .runner import detect_into
+
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+            # Parquet rows written every 2 s: the parent's progress bar reads the shard's files, and
+            # restarts a worker that died only if it had recorded images.
+            with OutputFolder(shard, output_format=output_format, resume=True, flush_s=2.0) as folder:
+                return detect_into(folder, todo, config, source=source, images=images, progress=False).exit_code
+        finally:
+            drop_started()
 
     sys.exit(guarded(run))
 

@@ -182,6 +182,44 @@ def test_sigterm_to_the_parent_stops_the_workers_and_keeps_what_they_wrote(tmp_p
     assert not (out / "shards").exists()
 
 
+def test_a_worker_process_imports_no_torch_before_its_early_session():
+    """A --devices worker (spawned: it imports what its target's module imports) opens its model's
+    session and starts the first GPU run (session.start_early) before torch, DALI and Triton load:
+    its module must not import them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pipeline.parallel; heavy = {'torch', 'nvidia.dali', 'triton', 'onnxruntime'} & "
+            "set(sys.modules); assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+
+
+@pytest.mark.cuda
+def test_a_gpu_worker_takes_its_early_session_and_finds_what_one_process_finds(tmp_path):
+    """`--devices 0`: the worker's detector takes over the session its process opened before the
+    imports, and the merged records are the single process's."""
+    import subprocess
+    import sys
+
+    def detect(out, *extra):
+        done = subprocess.run([sys.executable, "-m", "pipeline", "detect", str(SAMPLES), "--out", str(out),
+                               "--quiet", "--log-level", "DEBUG", *extra], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stderr
+
+    one = detect(tmp_path / "one", "--device", "cuda")
+    worker = detect(tmp_path / "worker", "--devices", "0")
+    for log in (one, worker):
+        assert "the session opened early is taken over" in log, log[-3000:]
+
+    one, worker = read_results(tmp_path / "one"), read_results(tmp_path / "worker")
+    assert [r["path"] for r in worker] == [r["path"] for r in one]
+    for a, b in zip(worker, one):  # two processes: cuDNN may time its way to other kernels in each
+        assert len(a["detections"]) == len(b["detections"]), (a, b)
+        for d, e in zip(a["detections"], b["detections"]):
+            assert max(abs(x - y) for x, y in zip(d["box"], e["box"])) <= 1.0, (a, b)
+
+
 def test_a_worker_logs_as_its_parent():
     from pipeline.errors import logging_settings, setup_logging
 
