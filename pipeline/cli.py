@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._version import __version__
-from .errors import EXIT_OK, EXIT_SOME_FAILED, ConfigError, catch_signals, guarded, setup_logging, signals_held
+from .errors import EXIT_OK, EXIT_SOME_FAILED, ConfigError, catch_signals, exit_at_interrupt, guarded, setup_logging, \
+    signals_held
 
 if TYPE_CHECKING:
     from .config import Config
@@ -327,5 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level, args.log_json, args.quiet)
     commands = {"detect": cmd_detect, "export-coco": cmd_export_coco, "eval": cmd_eval, "draw": cmd_draw,
                 "inspect": cmd_inspect, "bench": cmd_bench}
-    return guarded(lambda: commands[args.command](args))
+    code = guarded(lambda: commands[args.command](args))
+    if argv is None:  # this process is the command: what is left is the libraries' teardown
+        exit_at_interrupt(code)
+    return code
 

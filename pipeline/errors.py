@@ -6,7 +6,8 @@
     4    the output could not be written (disk full, a file size limit, an I/O error): every record
          written before is complete; make room, then --resume
     1    internal error (a bug): a traceback is printed, please report it
-    130  interrupted (Ctrl-C, SIGTERM): what was written is complete; --resume continues
+    130  interrupted (Ctrl-C, SIGTERM): what was written is complete; --resume continues. One
+         that comes after a run's last record changes nothing (finishing, exit_at_interrupt)
 
 A problem the user can fix raises a `GpudetError`, whose message names the file, key or value
 and says what to do; `guarded` turns it into one line on stderr and its exit code.
@@ -182,6 +183,58 @@ def catch_signals() -> None:
     interrupt inside a C extension's import can come out as another error (ImportError)."""
     signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+
+
+class Finishing:
+    """finishing()'s handle: `begin()` once every record is written."""
+
+    def __init__(self) -> None:
+        self.came: list[int] = []
+        self.previous: dict[int, object] = {}
+
+    def begin(self) -> None:
+        """From here an interrupt is noted, not raised: what is left (closing the files, the merge,
+        summary.json) finishes a run whose records are all written. Off the main thread, where
+        Python runs no signal handler, nothing changes."""
+        if threading.current_thread() is threading.main_thread() and not self.previous:
+            self.previous = {s: signal.signal(s, self._note) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _note(self, signum, frame) -> None:
+        self.came.append(signum)
+
+
+@contextmanager
+def finishing() -> Iterator[Finishing]:
+    """A run's end: after `handle.begin()`, Ctrl-C or SIGTERM no longer stops what is left of it
+    (files closed, summary.json written) but is logged once that is done, so a run that wrote its
+    last record ends with its own exit code and a complete output folder. Before `begin()` they
+    do what they did (catch_signals: KeyboardInterrupt)."""
+    handle = Finishing()
+    try:
+        yield handle
+    finally:
+        for s, handler in handle.previous.items():
+            signal.signal(s, handler)
+        if handle.came:
+            log.warning("%s came after the last record was written: the run was finished first, its "
+                        "output folder is complete", signal.Signals(handle.came[0]).name)
+
+
+def exit_at_interrupt(code: int) -> None:
+    """The command is over and the process only tears down (its libraries' threads and memory,
+    which can take seconds): from here Ctrl-C or SIGTERM ends it at once with the command's own
+    exit code. Every file it wrote is closed; an interrupt now changes nothing of them."""
+
+    def now(signum, frame):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # closed, or its reader gone
+                pass
+        os._exit(code)
+
+    signal.signal(signal.SIGINT, now)
+    signal.signal(signal.SIGTERM, now)
 
 
 def guarded(run: Callable[[], int]) -> int:

@@ -242,6 +242,41 @@ def test_interrupt_stops_cleanly_with_130_and_resume_finishes(tmp_path, sig):
     assert sorted(r["index"] for r in done) == list(range(120))
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_after_the_last_record_finishes_the_run_and_exits_with_its_code(tmp_path, sig):
+    """Ctrl-C or SIGTERM while a run that wrote its last record closes its files and writes
+    summary.json (here: just before the summary), and again once the command is over, while the
+    libraries tear down: the run ends complete, with its own exit code (0), one warning, no
+    traceback, and the process exits at once."""
+    out = tmp_path / "out"
+    script = f"""
+import os, signal, sys, time
+from pipeline import sinks
+from pipeline.cli import main
+
+write_summary = sinks.OutputFolder.write_summary
+
+def interrupted_first(self, **kwargs):
+    os.kill(os.getpid(), {int(sig)})
+    time.sleep(0.2)
+    return write_summary(self, **kwargs)
+
+sinks.OutputFolder.write_summary = interrupted_first
+sys.argv = ["gpudet", "detect", {str(SAMPLES)!r}, "--out", {str(out)!r}, "--device", "cpu"]
+code = main()
+os.kill(os.getpid(), {int(sig)})  # the teardown: exits at once with the command's code
+time.sleep(60)
+sys.exit(99)
+"""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert time.monotonic() - started < 50 and "Traceback" not in done.stderr
+    assert f"{signal.Signals(sig).name} came after the last record was written" in done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is False and summary["processed"] == summary["images"] == 6
+
+
 def test_resume_refuses_results_of_another_source(tmp_path):
     out = tmp_path / "out"
     assert main(["detect", str(SAMPLES), "--out", str(out), "--device", "cpu", "--no-progress"]) == 0
