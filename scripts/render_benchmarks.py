@@ -340,7 +340,31 @@ def first_run_table() -> str:
     for run in r["cli"]["runs"]:
         lines.append(f"| {run['tree']} | {run['run']} | **{run['wall']:.2f} s** | {run['startup']:.2f} s | "
                      f"{run['setup']:.2f} s |")
-    lines += ["", f"{r['cli']['what']}. {r['cli']['notes']}."]
+    lines += ["", f"{r['cli']['what']}. {r['cli']['notes']}.", "",
+              "| tree | from the command | before gpudet's clock | Detector.from_config |", "| --- | --- | --- | --- |"]
+    side = r["side_by_side"]
+    for run in side["runs"]:
+        lines.append(f"| {run['tree']} | **{run['wall']:.2f} s** | {run['startup']:.2f} s | {run['setup']:.2f} s |")
+    lines += ["", f"{side['what']}; rows in the order they ran. {side['machine_session']}; {side['notes']}."]
+    return "\n".join(lines)
+
+
+def first_run_cudnn_table() -> str:
+    r = load("first_run_cudnn")
+    lines = ["| process | CUDA EP options added | first run | of it in Conv nodes | the next two runs |",
+             "| --- | --- | --- | --- | --- |"]
+    for run in r["runs"]:
+        added = ", ".join(f"`{k}={v}`" for k, v in run["cuda_options_added"].items()) or "none"
+        lines.append(f"| {run['tag']} | {added} | **{run['runs_s'][0]:.2f} s** | "
+                     f"{run['first_run_by_op_ms']['Conv'] / 1000:.2f} s ({run['nodes']} nodes in all) | "
+                     f"{run['runs_s'][1] * 1000:.0f}, {run['runs_s'][2] * 1000:.0f} ms |")
+    c, f = r["cudnn_log"], r["cudnn_log"]["execution_plan_finalize"]
+    lines += ["", f"{r['command']}; {r['tree']['note']}. {r['machine']['gpus'][0]}, cuDNN {r['machine']['cudnn']}, "
+              f"tree {r['tree']['commit']}, {r['date']}.", "",
+              f"cuDNN's own log of the 'log' process ({c['what']}): {c['span_s']:.2f} s from its first call to its "
+              f"last; {f['count']} execution plans finalized ({c['convolutions']} convolutions), "
+              f"**{f['total_s']:.2f} s** in all, {f['min_ms']:.0f}-{f['max_ms']:.0f} ms each (median "
+              f"{f['median_ms']:.0f} ms); runtime kernel generation {c['runtime_kernel_generation']['s']:.2f} s."]
     return "\n".join(lines)
 
 
@@ -350,7 +374,7 @@ def shorten(command: str) -> str:
 
 SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "setup": setup_table, "retinanet": retinanet_table,
             "ray": ray_table, "formats": formats_table, "threads": threads_table,
-            "first_run": first_run_table}
+            "first_run": first_run_table, "first_run_cudnn": first_run_cudnn_table}
 
 
 def render(text: str, sections: dict) -> str:
