@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._version import __version__
-from .errors import EXIT_OK, EXIT_SOME_FAILED, ConfigError, catch_signals, exit_at_interrupt, guarded, setup_logging, \
+from .errors import EXIT_OK, EXIT_SOME_FAILED, ConfigError, catch_signals, end_command, guarded, setup_logging, \
     signals_held
 
 if TYPE_CHECKING:
@@ -329,7 +329,5 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"detect": cmd_detect, "export-coco": cmd_export_coco, "eval": cmd_eval, "draw": cmd_draw,
                 "inspect": cmd_inspect, "bench": cmd_bench}
     code = guarded(lambda: commands[args.command](args))
-    if argv is None:  # this process is the command: what is left is the libraries' teardown
-        exit_at_interrupt(code)
-    return code
+    return end_command(code, exit_process=argv is None)  # argv None: this process is the command
 

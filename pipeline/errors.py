@@ -7,7 +7,7 @@
          written before is complete; make room, then --resume
     1    internal error (a bug): a traceback is printed, please report it
     130  interrupted (Ctrl-C, SIGTERM): what was written is complete; --resume continues. One
-         that comes after a run's last record changes nothing (finishing, exit_at_interrupt)
+         that comes after a run's last record changes nothing (last_record_written)
 
 A problem the user can fix raises a `GpudetError`, whose message names the file, key or value
 and says what to do; `guarded` turns it into one line on stderr and its exit code.
@@ -159,9 +159,15 @@ def stderr_into_log(source: str, level_of: Callable[[str], int]) -> Iterator[Tex
 
 
 _interrupted = threading.Event()
+_finished = threading.Event()
+"""Set once a run has written its last record (last_record_written): interrupts are noted in _late."""
+_late: list[int] = []
 
 
 def _raise_keyboard_interrupt(signum, frame):
+    if _finished.is_set():
+        _late.append(signum)
+        return
     _interrupted.set()
     raise KeyboardInterrupt
 
@@ -180,61 +186,43 @@ def signals_held() -> Iterator[None]:
 
 def catch_signals() -> None:
     """Ctrl-C and SIGTERM (a scheduler stopping the job) raise KeyboardInterrupt, and are noted: an
-    interrupt inside a C extension's import can come out as another error (ImportError)."""
+    interrupt inside a C extension's import can come out as another error (ImportError). A command
+    starts here: no run's last record is written yet (last_record_written)."""
+    _finished.clear()
+    _late.clear()
     signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
 
 
-class Finishing:
-    """finishing()'s handle: `begin()` once every record is written."""
-
-    def __init__(self) -> None:
-        self.came: list[int] = []
-        self.previous: dict[int, object] = {}
-
-    def begin(self) -> None:
-        """From here an interrupt is noted, not raised: what is left (closing the files, the merge,
-        summary.json) finishes a run whose records are all written. Off the main thread, where
-        Python runs no signal handler, nothing changes."""
-        if threading.current_thread() is threading.main_thread() and not self.previous:
-            self.previous = {s: signal.signal(s, self._note) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def _note(self, signum, frame) -> None:
-        self.came.append(signum)
+def last_record_written() -> None:
+    """A run has written its last record: from here until the command ends (end_command), Ctrl-C
+    or SIGTERM is noted, not raised (catch_signals' handler), so that closing its files, writing
+    summary.json and printing the summary go on, and the command keeps its exit code."""
+    _finished.set()
 
 
-@contextmanager
-def finishing() -> Iterator[Finishing]:
-    """A run's end: after `handle.begin()`, Ctrl-C or SIGTERM no longer stops what is left of it
-    (files closed, summary.json written) but is logged once that is done, so a run that wrote its
-    last record ends with its own exit code and a complete output folder. Before `begin()` they
-    do what they did (catch_signals: KeyboardInterrupt)."""
-    handle = Finishing()
-    try:
-        yield handle
-    finally:
-        for s, handler in handle.previous.items():
-            signal.signal(s, handler)
-        if handle.came:
-            log.warning("%s came after the last record was written: the run was finished first, its "
-                        "output folder is complete", signal.Signals(handle.came[0]).name)
-
-
-def exit_at_interrupt(code: int) -> None:
-    """The command is over and the process only tears down (its libraries' threads and memory,
-    which can take seconds): from here Ctrl-C or SIGTERM ends it at once with the command's own
-    exit code. Every file it wrote is closed; an interrupt now changes nothing of them."""
-
-    def now(signum, frame):
+def end_command(code: int, *, exit_process: bool) -> int:
+    """The command is over: an interrupt noted since its run's last record is reported, and the
+    note cleared for a next command in this process. exit_process (this process is the command):
+    it ends here with `code`, its output flushed. Every file it wrote is closed; what is skipped is
+    the libraries' teardown (seconds on a GPU), where an interrupt would still kill it."""
+    if exit_process:
+        _finished.set()  # an interrupt from here on changes nothing
+    late = list(_late)
+    if late and code != EXIT_INTERRUPTED:
+        log.warning("%s came after the last record was written: the run was finished first",
+                    signal.Signals(late[0]).name)
+    if exit_process:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except (OSError, ValueError):  # closed, or its reader gone
                 pass
+        logging.shutdown()
         os._exit(code)
-
-    signal.signal(signal.SIGINT, now)
-    signal.signal(signal.SIGTERM, now)
+    _late.clear()
+    _finished.clear()
+    return code
 
 
 def guarded(run: Callable[[], int]) -> int:

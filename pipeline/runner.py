@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .config import Config
-from .errors import finishing, stderr_into_log
+from .errors import last_record_written, stderr_into_log
 from .detector import Detector
 from .results import ImageError, ImageRef
 from .sinks import OutputFolder, RunResult
@@ -50,36 +50,35 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, s
     # What libraries print meanwhile goes through the log; the decoders' complaints about a bad file
     # (lines that name no file; errors.jsonl names it) at debug, not onto stderr: a JPEG cut short
     # prints a line per row it misses.
-    with finishing() as finish:
-        with stderr_into_log("library", decoder_level) as stderr, folder.writing(), \
-                tqdm(total=len(todo), unit="img", disable=not show, file=stderr, dynamic_ncols=True) as bar:
-            def failed(errors: list[ImageError]) -> None:
-                folder.fail(errors)
-                bar.update(len(errors))
+    with stderr_into_log("library", decoder_level) as stderr, folder.writing(), \
+            tqdm(total=len(todo), unit="img", disable=not show, file=stderr, dynamic_ncols=True) as bar:
+        def failed(errors: list[ImageError]) -> None:
+            folder.fail(errors)
+            bar.update(len(errors))
 
-            try:
-                for batch, found in detector.stream(todo, failed, clock=clock):  # the data path
-                    with clock("write"):  # sinks: one record per image
-                        folder.record(batch, found, detector.labels)
-                    bar.update(len(batch.refs))
-                with clock("write"):  # Parquet: the rows held since its last file
-                    folder.flush()
-            except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was written stays; --resume continues
-                folder.tally.interrupted = True
-            finish.begin()  # every record is written: closing the files and the summary go on whatever comes
-        if folder.shards:  # an earlier --devices or --ray run's records, counted as done by begin
-            folder.merge()
-            if not folder.tally.interrupted:
-                folder.drop_shards()
-        total_s = time.perf_counter() - t0
-        summary = folder.write_summary(
-            source=source, images=images, todo=len(todo), device=detector.device.describe(),
-            # wall: from the command; startup: its imports, before this run; setup: building the detector
-            seconds={"wall": process_seconds(), "startup": startup_s, "total": total_s, "setup": setup_s,
-                     **clock.seconds},
-            loop_seconds=total_s - setup_s,
-            started=started, model=detector.describe(), config=detector.config.to_dict(),
-            extra={"model_batch": detector.engine.run_batch or detector.batch_size})
+        try:
+            for batch, found in detector.stream(todo, failed, clock=clock):  # the data path
+                with clock("write"):  # sinks: one record per image
+                    folder.record(batch, found, detector.labels)
+                bar.update(len(batch.refs))
+            with clock("write"):  # Parquet: the rows held since its last file
+                folder.flush()
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was written stays; --resume continues
+            folder.tally.interrupted = True
+        last_record_written()  # closing the files and the summary go on whatever comes
+    if folder.shards:  # an earlier --devices or --ray run's records, counted as done by begin
+        folder.merge()
+        if not folder.tally.interrupted:
+            folder.drop_shards()
+    total_s = time.perf_counter() - t0
+    summary = folder.write_summary(
+        source=source, images=images, todo=len(todo), device=detector.device.describe(),
+        # wall: from the command; startup: its imports, before this run; setup: building the detector
+        seconds={"wall": process_seconds(), "startup": startup_s, "total": total_s, "setup": setup_s,
+                 **clock.seconds},
+        loop_seconds=total_s - setup_s,
+        started=started, model=detector.describe(), config=detector.config.to_dict(),
+        extra={"model_batch": detector.engine.run_batch or detector.batch_size})
     return RunResult(summary, folder.tally.exit_code)
 
 

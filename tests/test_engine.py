@@ -399,7 +399,10 @@ def test_an_early_session_no_engine_takes_is_stopped_and_let_go():
     options = ort.RunOptions()
 
     def run_until_terminated():  # stands in for a run still going: ORT's ends at the flag
+        deadline = time.monotonic() + 10
         while not options.terminate:
+            if time.monotonic() > deadline:
+                return "never told to stop"
             time.sleep(0.01)
         return "stopped"
 

@@ -183,14 +183,15 @@ def test_sigterm_to_the_parent_stops_the_workers_and_keeps_what_they_wrote(tmp_p
 
 
 def test_a_worker_process_imports_no_torch_before_its_early_session():
-    """A --devices worker (spawned: it imports what its target's module imports) opens its model's
-    session and starts the first GPU run (session.start_early) before torch, DALI and Triton load:
-    its module must not import them."""
+    """A --devices worker (spawned: it runs the command's script again, imports its target's module
+    and unpickles its arguments: a Config and ImageRefs) opens its model's session and starts the
+    first GPU run (session.start_early) before torch, DALI and Triton load: none of those imports
+    may load them."""
     import subprocess
     import sys
 
-    code = ("import sys, pipeline.parallel; heavy = {'torch', 'nvidia.dali', 'triton', 'onnxruntime'} & "
-            "set(sys.modules); assert not heavy, heavy")
+    code = ("import sys, pipeline.cli, pipeline.parallel, pipeline.config, pipeline.results; "
+            "heavy = {'torch', 'nvidia.dali', 'triton', 'onnxruntime'} & set(sys.modules); assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
 
 
