@@ -11,7 +11,6 @@ import logging
 import os
 import shlex
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -137,24 +136,12 @@ def cmd_detect(args: argparse.Namespace) -> int:
                           "devices of this host")
     overrides = args.overrides + option_overrides(model=args.model, device=args.device, batch_size=args.batch_size)
     config = load_config(args.config, overrides, origin="--set")
-    if args.devices is None and args.ray is None:
-        with started_early(config):
+    if args.devices is None and args.ray is None:  # --devices workers start their own (parallel._worker)
+        with signals_held():
+            from .session import started_early
+        with started_early(config):  # the model's first GPU run beside the imports below
             return _detect(args, config)
     return _detect(args, config)
-
-
-@contextmanager
-def started_early(config: Config):
-    """session.start_early before the imports of torch, DALI and Triton (the model's first run on
-    the GPU beside them); a session no detector took is let go when the command ends."""
-    with signals_held():
-        from .session import drop_started, start_early
-
-        start_early(config)
-    try:
-        yield
-    finally:
-        drop_started()
 
 
 def _detect(args: argparse.Namespace, config: Config) -> int:
@@ -307,7 +294,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     overrides = args.overrides + option_overrides(device=args.device, batch_size=args.batch_size)
     config = load_config(args.config, overrides, origin="--set")
-    with started_early(config):
+    with signals_held():
+        from .session import started_early
+    with started_early(config):  # the model's first GPU run beside the imports below
         with signals_held():
             from .bench import format_report, run_bench, write_report
 

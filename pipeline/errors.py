@@ -208,10 +208,9 @@ def end_command(code: int, *, exit_process: bool) -> int:
     the libraries' teardown (seconds on a GPU), where an interrupt would still kill it."""
     if exit_process:
         _finished.set()  # an interrupt from here on changes nothing
-    late = list(_late)
-    if late and code != EXIT_INTERRUPTED:
+    if _late and code != EXIT_INTERRUPTED:
         log.warning("%s came after the last record was written: the run was finished first",
-                    signal.Signals(late[0]).name)
+                    signal.Signals(_late[0]).name)
     if exit_process:
         for stream in (sys.stdout, sys.stderr):
             try:

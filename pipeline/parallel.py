@@ -86,10 +86,9 @@ def _worker(todo: list[ImageRef], shard: str, config: Config, output_format: str
         # SIGINT and SIGTERM stay held, as the parent held them when it started this process, while
         # the model's session opens with its first run on the GPU (session.start_early) and, beside
         # that run, torch, DALI and Triton load.
-        from .session import drop_started, start_early
+        from .session import started_early
 
-        start_early(config)
-        try:
+        with started_early(config):
             from .runner import detect_into
 
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -97,8 +96,6 @@ def _worker(todo: list[ImageRef], shard: str, config: Config, output_format: str
             # restarts a worker that died only if it had recorded images.
             with OutputFolder(shard, output_format=output_format, resume=True, flush_s=2.0) as folder:
                 return detect_into(folder, todo, config, source=source, images=images, progress=False).exit_code
-        finally:
-            drop_started()
 
     sys.exit(guarded(run))
 

@@ -20,7 +20,9 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +30,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .config import Config, RunConfig, resolve_model_path
-from .errors import ModelError
+from .errors import ModelError, signals_held
 
 SCALAR_INPUTS = {"score_threshold": np.float32, "iou_threshold": np.float32, "max_detections": np.int64}
 
@@ -262,6 +264,19 @@ def drop_started() -> None:
         _, started = _started.popitem()
         started.run_options.terminate = True
         started.executor.shutdown(wait=True)
+
+
+@contextmanager
+def started_early(config: Config) -> Iterator[None]:
+    """start_early for a block that then imports torch, DALI and Triton (the model's first run on
+    the GPU beside them; SIGINT and SIGTERM held while the session opens); a session no detector
+    took in the block is let go at its end."""
+    with signals_held():
+        start_early(config)
+    try:
+        yield
+    finally:
+        drop_started()
 
 
 def start_early(config: Config) -> None:
