@@ -29,7 +29,7 @@ def main() -> None:
             continue
         faces += len(result.scores)
         for box, score, name in zip(result.boxes_xyxy, result.scores, result.names):
-            print(f"{result.path}: {name} {score:.3f} at {box.round(1).tolist()}")
+            print(f"{result.path}: {name} {score:.3f} at {[round(float(v), 1) for v in box]}")
 
     # 2. An image already in memory, with this call's own threshold; its record as JSON; drawn.
     photo = np.asarray(Image.open("samples/astronaut.png").convert("RGB"))

@@ -357,5 +357,6 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_report(report: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(report, indent=2) + "\n")
+def report_json(report: dict) -> str:
+    """The report as `gpudet bench --json` writes it."""
+    return json.dumps(report, indent=2) + "\n"

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._version import __version__
-from .errors import EXIT_OK, EXIT_SOME_FAILED, ConfigError, catch_signals, end_command, guarded, setup_logging, \
-    signals_held
+from .errors import EXIT_OK, EXIT_SOME_FAILED, ConfigError, OutputError, OutputWriteError, catch_signals, \
+    end_command, guarded, setup_logging, signals_held, stderr_into_log
 
 if TYPE_CHECKING:
     from .config import Config
@@ -25,6 +25,25 @@ log = logging.getLogger("gpudet")
 
 OUTPUT_FORMATS = ("jsonl", "parquet")
 """--format's choices: sinks.FORMATS, spelled here so that `--help` does not import numpy and orjson."""
+
+
+def at_least(low: int):
+    """argparse type: an integer >= low."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value}: must be at least {low}")
+        return value
+    parse.__name__ = "integer"  # argparse names the type so in its message
+    return parse
+
+
+def score(text: str) -> float:
+    """argparse type: a score in [0, 1]."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value}: a score is in [0, 1]")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     detect.add_argument("--format", dest="output_format", choices=OUTPUT_FORMATS,
                         help="how processed images are written: jsonl (default; with --resume, the format the "
                              "folder holds), or parquet (a folder of Parquet files, one row per image; needs pyarrow)")
-    detect.add_argument("--config", help="YAML config (default: the embedded RetinaFace config)")
+    detect.add_argument("--config", help="YAML config file, or the name of one gpudet ships (retinaface_mnet025_e2e, "
+                                         "...; default: the embedded RetinaFace config)")
     detect.add_argument("--model", help="ONNX model file (overrides model.path)")
     detect.add_argument("--device", help="auto | cpu | cuda | cuda:N (overrides run.device)")
     detect.add_argument("--batch-size", type=int, help="images per batch (overrides run.batch_size; default: the "
@@ -83,14 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", parents=[common], help="inputs, outputs, contract and Memcpy "
                                                                     "nodes of an ONNX model")
     inspect.add_argument("model", help="ONNX model file, or the name of one in gpudet's models/")
-    inspect.add_argument("--size", type=int, nargs=2, default=(640, 640), metavar=("HEIGHT", "WIDTH"),
+    inspect.add_argument("--size", type=at_least(1), nargs=2, default=(640, 640), metavar=("HEIGHT", "WIDTH"),
                          help="input size for models whose size is dynamic (default 640 640)")
     inspect.add_argument("--json", action="store_true", help="print JSON")
 
     bench = commands.add_parser("bench", parents=[common], help="gpudet against the naive loop, the model alone "
                                                                 "and DALI alone, in one run")
     bench.add_argument("source", help="images to measure on (make them with scripts/make_image_set.py)")
-    bench.add_argument("--config", help="YAML config (default: the embedded RetinaFace config)")
+    bench.add_argument("--config", help="YAML config file or the name of one gpudet ships (as for detect)")
     bench.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     bench.add_argument("--batch-size", type=int, help="images per batch (overrides run.batch_size; default: the "
                                                       "config's)")
@@ -116,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "the output folder")
     draw.add_argument("--out", required=True,
                       help="folder for the annotated images (named INDEX_NAME: 00000042_street.jpg)")
-    draw.add_argument("--limit", type=int, help="only the first N images")
-    draw.add_argument("--min-score", type=float, default=0.0,
+    draw.add_argument("--limit", type=at_least(1), help="only the first N images")
+    draw.add_argument("--min-score", type=score, default=0.0,
                       help="draw detections scoring at least this (default 0: all)")
     draw.add_argument("--root", help="folder that relative paths in the records resolve against (default: the "
                                      "one detect ran in, from the output folder's summary.json)")
@@ -217,17 +237,36 @@ def summary_table(s: dict) -> str:
 def cmd_export_coco(args: argparse.Namespace) -> int:
     from .coco import load_annotations, read_detections, to_coco_results
 
+    out = output_file(args.out, "--out")
     matched: set[int] = set()
     results, unmatched = to_coco_results(read_detections(args.detections), load_annotations(args.annotations), matched)
     none_annotated(matched, unmatched, args)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(results, f)
+    write_output(out, "--out", json.dumps(results))
     if unmatched:
         log.warning("%d images of %s are not in %s; skipped", unmatched, args.detections, args.annotations)
     if not args.quiet:
         say(f"gpudet: {counted(len(results), 'detection')} written to {args.out}" +
             (f" ({counted(unmatched, 'image')} not in the annotation file)" if unmatched else ""))
     return EXIT_OK
+
+
+def output_file(path: str, option: str) -> Path:
+    """The file a command writes at its end, checked before its work: its folder is there, and it
+    is no folder itself."""
+    out = Path(path)
+    if out.is_dir():
+        raise OutputError(f"{option} {out} is a folder; give the path of a file to write")
+    if not out.parent.is_dir():
+        raise OutputError(f"{option} {out}: its folder {out.parent} does not exist; create it or give another path")
+    return out
+
+
+def write_output(path: Path, option: str, text: str) -> None:
+    """Write a command's output file; a failure is one line naming it (exit 4)."""
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise OutputWriteError(path, e, f"give {option} a file gpudet may write, or make room") from None
 
 
 def none_annotated(matched: set[int], unmatched: int, args: argparse.Namespace) -> None:
@@ -241,6 +280,7 @@ def none_annotated(matched: set[int], unmatched: int, args: argparse.Namespace) 
 def cmd_eval(args: argparse.Namespace) -> int:
     from .coco import evaluate, load_annotations, read_detections, to_coco_results
 
+    out = output_file(args.out, "--out") if args.out else None
     gt = load_annotations(args.annotations, for_eval=True)
     matched: set[int] = set()
     results, unmatched = to_coco_results(read_detections(args.detections), gt, matched)
@@ -250,14 +290,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
                     "found (evaluate a finished run, or an annotation file of the images it detected)",
                     len(gt["images"]) - len(matched), len(gt["images"]), args.detections)
     metrics = evaluate(gt, results)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"metrics": metrics, "detections": len(results), "unmatched_images": unmatched}, f, indent=2)
     if not args.quiet:
         annotated = counted(len(gt["images"]), "annotated image")
         say("\n".join([f"gpudet eval: {counted(len(results), 'detection')} on {annotated}"
                         + (f" ({counted(unmatched, 'detected image')} not annotated)" if unmatched else "")]
                        + [f"  {name:<6} {value:.4f}" for name, value in metrics.items()]))
+    if out:
+        write_output(out, "--out", json.dumps({"metrics": metrics, "detections": len(results),
+                                               "unmatched_images": unmatched}, indent=2))
     return EXIT_OK
 
 
@@ -265,6 +305,14 @@ def cmd_draw(args: argparse.Namespace) -> int:
     from .coco import read_detections
     from .draw import draw_records, recorded_root
 
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out} is a file, not a folder; give a folder for the drawings")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"--out {out} cannot be made: {e.strerror or e}; give a folder gpudet may create "
+                          "and write") from None
     root = args.root if args.root is not None else recorded_root(args.detections)
     written, skipped = draw_records(read_detections(args.detections), args.out, root=root, limit=args.limit,
                                     min_score=args.min_score, image_format=args.image_format)
@@ -294,19 +342,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     overrides = args.overrides + option_overrides(device=args.device, batch_size=args.batch_size)
     config = load_config(args.config, overrides, origin="--set")
+    report_file = output_file(args.json, "--json") if args.json else None
     with signals_held():
         from .session import started_early
     with started_early(config):  # the model's first GPU run beside the imports below
         with signals_held():
-            from .bench import format_report, run_bench, write_report
+            from .bench import format_report, report_json, run_bench
+            from .runner import decoder_level
 
-        report = run_bench(args.source, config, limit=args.limit, iterations=args.iterations,
-                           skip_naive=args.skip_naive, naive_limit=args.naive_limit, latency=args.latency,
-                           passes=args.passes, output_format=args.output_format,
-                           command=shlex.join(["gpudet", *args.argv]))
-    if args.json:
-        write_report(report, args.json)
+        with stderr_into_log("library", decoder_level):  # the decoders' lines about bad files, at debug
+            report = run_bench(args.source, config, limit=args.limit, iterations=args.iterations,
+                               skip_naive=args.skip_naive, naive_limit=args.naive_limit, latency=args.latency,
+                               passes=args.passes, output_format=args.output_format,
+                               command=shlex.join(["gpudet", *args.argv]))
     say(format_report(report))
+    if report_file:
+        write_output(report_file, "--json", report_json(report))
     return EXIT_OK
 
 

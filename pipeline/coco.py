@@ -20,6 +20,11 @@ log = logging.getLogger("gpudet")
 METRICS = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 
 
+ENTRY_FIELDS = {"images": ("id", "file_name"), "categories": ("id", "name"),
+                "annotations": ("image_id", "category_id", "bbox")}
+"""What gpudet and COCO's evaluation read of each entry of an annotation file's lists."""
+
+
 def load_annotations(path: str | Path, *, for_eval: bool = False) -> dict:
     """A COCO annotation file: its images and categories (and, for_eval, its annotations)."""
     path = Path(path)
@@ -31,6 +36,13 @@ def load_annotations(path: str | Path, *, for_eval: bool = False) -> dict:
         if not isinstance(gt, dict) or not isinstance(gt.get(key), list):
             raise ConfigError(f"--annotations {path}: no '{key}' list; is this a COCO annotation file"
                               + (" with ground truth (eval needs it)?" if key == "annotations" else "?"))
+        for k, entry in enumerate(gt[key]):
+            fields = ENTRY_FIELDS[key]
+            missing = [f for f in fields if not isinstance(entry, dict) or f not in entry]
+            if missing or not all(isinstance(entry[f], str) for f in fields if f in ("file_name", "name")):
+                raise ConfigError(f"--annotations {path}: {key}[{k}] " + (f"has no '{missing[0]}'" if missing else
+                                  "has a name that is not a string") + f"; each of its {key} needs "
+                                  + ", ".join(f"'{f}'" for f in fields))
     return gt
 
 

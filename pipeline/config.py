@@ -312,12 +312,30 @@ def builtin_model_dir() -> Path:
     return _data_dir("models")
 
 
+def config_file(text: str | Path | None) -> Path:
+    """The YAML file a config name means: the embedded default for None; a file that exists; else,
+    for a bare name (with or without .yaml), the config of that name gpudet ships (configs/), as
+    --model finds a bundled model by its name."""
+    if text is None:
+        return builtin_config()
+    given = Path(text).expanduser()
+    if given.is_file():
+        return given
+    if given.is_dir():
+        raise ConfigError(f"config {given} is a folder; give a YAML config file (or the name of one gpudet ships)")
+    if str(text) == given.name:
+        for name in (given.name, f"{given.name}.yaml"):
+            if builtin_config(name).is_file():
+                return builtin_config(name)
+    shipped = ", ".join(sorted(p.stem for p in _data_dir("configs").glob("*.yaml")))
+    raise ConfigError(f"config file {given} does not exist; give a YAML file's path or the name of a config gpudet "
+                      f"ships: {shipped}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = (), *, origin: str = "overrides") -> Config:
     """Load a YAML config (default: the embedded RetinaFace one), apply overrides, validate.
     origin: what errors call the overrides (the API's overrides; the CLI's --set)."""
-    path = Path(path) if path is not None else builtin_config()
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+    path = config_file(path)
     try:
         values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError:
@@ -360,6 +378,6 @@ def resolve_model_path(config: Config, *, on_cpu: bool = False) -> Path:
         if candidate.is_file():
             return candidate.resolve()
     tried = ", ".join(str(c) for c in candidates)
-    raise ConfigError(f"model.{key}: {text} not found (looked in: {tried}); "
-                      "pass --model FILE or set model.path (models gpudet does not ship are made by scripts/, for "
-                      "example scripts/export_retinanet.py for torchvision RetinaNet)")
+    raise ConfigError(f"model.{key}: {text} not found (looked in: {tried}); give the model file's path (--model "
+                      f"FILE, the API's model=, or model.{key}); models gpudet does not ship are made by scripts/, "
+                      "for example scripts/export_retinanet.py for torchvision RetinaNet")

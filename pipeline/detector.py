@@ -30,7 +30,7 @@ from .engine import ORT_TO_TORCH, Engine, Launched, detect_contract, landmark_po
 from .errors import ConfigError
 from .postprocess import DeviceDetections, EndToEnd, GraphCache, RetinaNetHeads, SsdHeads, Thresholds, image_meta
 from .preprocess import PreprocessedBatch, Preprocessor, preprocess_stream
-from .results import Detections, ImageError, ImageResult
+from .results import Detections, ImageError, ImageRef, ImageResult
 from .session import drop_started, engine_arguments
 from .source import FLUSH, EncodedImage, Item, PixelImage, as_item, batched, list_images, read_chunks, within_pixels
 from .timing import StageClock
@@ -129,19 +129,23 @@ class Detector:
         return {**model_record(self.model_path, self.contract, engine.inputs, engine.outputs),
                 "providers": engine.session.get_providers()}
 
-    def stream(self, items: Iterable[Item], on_error: Callable[[list[ImageError]], None], *,
+    def stream(self, items: Iterable[object], on_error: Callable[[list[ImageError]], None], *,
                clock: StageClock | None = None, on_device: bool = False, thresholds: Thresholds | None = None
                ) -> Iterator[tuple[PreprocessedBatch, Detections | DeviceDetections]]:
-        """The data path over `items` (files to read: ImageRef; images in memory: source.as_item),
-        taken as they are needed, in batches of batch_size: yields each batch with its detections,
-        in submission order (a batch retried after a decode failure comes back in parts). Every
-        image ends either in a yielded batch or in `on_error`, exactly once. on_device=True yields
-        DeviceDetections (torch tensors on the device, no host copy); they are the caller's to
-        keep. thresholds: what the postprocess keeps in this stream (default: the config's).
+        """The data path over `items`, taken as they are needed, in batches of batch_size: yields
+        each batch with its detections, in submission order (a batch retried after a decode failure
+        comes back in parts). Every image ends either in a yielded batch or in `on_error`, exactly
+        once. on_device=True yields DeviceDetections (torch tensors on the device, no host copy);
+        they are the caller's to keep. thresholds: what the postprocess keeps in this stream
+        (default: the config's).
+
+        items: what `run` takes as its source (a file list, folder or glob; images in memory; any
+        iterable of paths and images, each indexed by its position), or the stream's own items
+        (ImageRef, source.as_item's), which carry their index.
 
         One stream at a time per detector (its DALI pipeline and output buffers serve one): a
         second, started before the first is finished or closed, raises."""
-        return self.stream_batches(batches=batched(items, self.batch_size), on_error=on_error, clock=clock,
+        return self.stream_batches(batches=batched(inputs(items), self.batch_size), on_error=on_error, clock=clock,
                                    on_device=on_device, thresholds=thresholds)
 
     def stream_batches(self, batches: Iterable[list[Item]], on_error: Callable[[list[ImageError]], None], *,
@@ -319,17 +323,18 @@ class Detector:
             yield heapq.heappop(failed)[1]
 
 
-def inputs(source, root: str | None) -> Iterator[Item]:
-    """What Detector.run takes, as the stream's items; values that are no image come out as
-    ImageErrors, which the source check passes on."""
+def inputs(source, root: str | None = None) -> Iterator[Item]:
+    """What Detector.run takes, as the stream's items (which pass as they are); values that are
+    no image come out as ImageErrors, which the source check passes on."""
     if isinstance(source, (str, os.PathLike)):
         yield from list_images(source, root=root)
         return
     if not isinstance(source, Iterable) or isinstance(source, (bytes, bytearray, memoryview)) or \
             type(source).__module__.split(".")[0] in ("numpy", "torch", "PIL"):
         source = [source]  # one image in memory
+    own = (ImageRef, EncodedImage, PixelImage, ImageError)
     for index, value in enumerate(source):
-        yield as_item(value, index)
+        yield value if isinstance(value, own) else as_item(value, index)
 
 
 def readable(batches: Iterable[list[EncodedImage | PixelImage | ImageError]],

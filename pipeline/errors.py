@@ -65,11 +65,12 @@ class OutputWriteError(GpudetError, OSError):
 
     exit_code = EXIT_OUTPUT
 
-    def __init__(self, path, error: OSError):
+    RESUME = "every record written before is complete: make room, then run again with --resume"
+
+    def __init__(self, path, error: OSError, advice: str = RESUME):
         reason = {errno.ENOSPC: "the disk is full", errno.EFBIG: "the file size limit is reached (ulimit -f)",
                   errno.EDQUOT: "the disk quota is reached"}.get(error.errno, error.strerror or str(error))
-        super().__init__(f"writing {path} failed: {reason}; every record written before is complete: make room, "
-                         "then run again with --resume")
+        super().__init__(f"writing {path} failed: {reason}; {advice}")
 
 
 class GpuOutOfMemory(GpudetError, RuntimeError):

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from pipeline import Detector, DeviceDetections, ImageError, ImageResult
 from pipeline.errors import ConfigError
@@ -127,6 +128,23 @@ def test_on_error_hears_only_of_errors(tmp_path):
     list(detector.stream([type(r)(i, r.path) for i, r in enumerate(refs)], heard.append))
     assert [[e.reason for e in errors] for errors in heard] == [["empty"]]
 
+
+
+def test_stream_takes_what_run_takes(tmp_path):
+    """Plain paths, Path objects and images in memory, indexed by position, or a folder; a bad image
+    goes to on_error."""
+    (tmp_path / "text.jpg").write_text("not an image")
+    detector = Detector.from_config(device="cpu", batch_size=2)
+    astronaut = SAMPLES / "astronaut.png"
+    items = [str(astronaut), tmp_path / "text.jpg", Image.open(astronaut), (SAMPLES / "china.jpg").read_bytes()]
+    heard = []
+    batches = list(detector.stream(items, heard.extend))
+    assert sorted(r.index for b, _ in batches for r in b.refs) == [0, 2, 3]
+    assert [(e.index, e.path) for e in heard] == [(1, str(tmp_path / "text.jpg"))]
+    by_index = {r.index: n for b, found in batches for r, n in zip(b.refs, found.per_image(len(b.refs)))}
+    assert len(by_index[0].scores) == len(by_index[2].scores) == 1  # the astronaut's face, from a path and from pixels
+    folder = [r.path for b, _ in detector.stream(SAMPLES, heard.extend) for r in b.refs]  # a folder, as run takes it
+    assert folder == [r.path for r in list_images(SAMPLES)] and len(heard) == 1
 
 @cpu_and_cuda()
 def test_the_readme_python_example_runs_as_written(device):

@@ -1,6 +1,7 @@
 """`gpudet bench` runs every measurement side by side and reports ratios, machine and command."""
 
 import json
+import shutil
 import subprocess
 
 from pipeline.cli import main
@@ -66,3 +67,20 @@ def test_bench_fails_loudly_when_an_image_fails(tmp_path, capsys):
     assert main(["bench", str(listing), "--device", "cpu", "--batch-size", "2", "--iterations", "1",
                  "--skip-naive"]) == 2
     assert "bench: 1 of 2 images failed (first: " + str(tmp_path / "bad.jpg") in capsys.readouterr().err
+
+
+def test_a_report_path_that_cannot_be_written_is_refused_before_the_measuring(tmp_path, capsys):
+    assert main(["bench", str(SAMPLES), "--device", "cpu", "--json", str(tmp_path / "nodir" / "b.json")]) == 2
+    captured = capsys.readouterr()
+    assert "--json" in captured.err and "does not exist" in captured.err and "Traceback" not in captured.err
+    assert captured.out == ""  # nothing measured
+
+
+def test_the_decoders_lines_about_a_bad_file_are_logged_at_debug_not_printed(tmp_path, capfd):
+    """What libjpeg-turbo prints about a cut JPEG (no file named in it) goes to the log at debug;
+    gpudet's own line names the file."""
+    shutil.copy(SAMPLES / "astronaut.png", tmp_path)
+    (tmp_path / "cut.jpg").write_bytes((SAMPLES / "china.jpg").read_bytes()[:20000])
+    main(["bench", str(tmp_path), "--device", "cpu", "--limit", "2", "--iterations", "1", "--skip-naive"])
+    err = capfd.readouterr().err
+    assert "cut.jpg" in err and "Premature end" not in err and "libjpeg" not in err, err

@@ -1,6 +1,7 @@
 """COCO export and evaluation on a small labelled set made here, and drawing."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -199,3 +200,37 @@ def test_two_records_of_one_annotated_image_count_once_with_a_warning(caplog):
     assert len(results) == 1 and unmatched == 0
     assert ("1 record matches an image an earlier record matched (first: /d/a/x.png, kept, and /d/b/x.png)"
             in caplog.text)
+
+
+def test_an_output_path_that_cannot_be_written_is_one_line_before_the_work(labelled, tmp_path, capsys):
+    """eval, export-coco and draw refuse an --out they cannot write (exit 2, as detect's) with one
+    line naming it and no traceback; a write that fails at the end is exit 4, also one line."""
+    out, gt = str(labelled / "out"), str(labelled / "gt.json")
+    (tmp_path / "a_file").write_text("")
+    refused = [(["eval", out, "--annotations", gt, "--out", str(tmp_path / "nodir" / "m.json")], "does not exist"),
+               (["export-coco", out, "--annotations", gt, "--out", str(tmp_path / "nodir" / "r.json")],
+                "does not exist"),
+               (["export-coco", out, "--annotations", gt, "--out", str(tmp_path)], "is a folder"),
+               (["draw", out, "--out", str(tmp_path / "a_file")], "is a file, not a folder"),
+               (["draw", out, "--out", str(tmp_path / "a_file" / "under")], "cannot be made")]
+    for argv, says in refused:
+        assert main([*argv, "--quiet"]) == 2, argv
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert not (tmp_path / "nodir").exists()
+    os.symlink(tmp_path / "nodir" / "x", tmp_path / "r.json")  # passes the check; the write fails
+    assert main(["export-coco", out, "--annotations", gt, "--out", str(tmp_path / "r.json"), "--quiet"]) == 4
+    err = capsys.readouterr().err
+    assert "writing " in err and "r.json failed" in err and "Traceback" not in err, err
+
+
+def test_an_annotation_entry_without_its_fields_is_named(labelled, tmp_path, capsys):
+    out = str(labelled / "out")
+    for gt, says in [({"images": [{"file_name": "a.jpg"}], "categories": []}, "images[0] has no 'id'"),
+                     ({"images": [], "categories": [{"id": 1, "name": 7}]}, "categories[0] has a name that is not"),
+                     ({"images": [{"id": 1, "file_name": "a.jpg"}], "categories": [], "annotations": [{"id": 1}]},
+                      "annotations[0] has no 'image_id'")]:
+        (tmp_path / "gt.json").write_text(json.dumps(gt))
+        assert main(["eval", out, "--annotations", str(tmp_path / "gt.json"), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err

@@ -2,6 +2,8 @@ import pytest
 
 from pipeline.config import ConfigError, load_config, resolve_model_path
 
+from conftest import ROOT
+
 
 def write(tmp_path, text):
     path = tmp_path / "c.yaml"
@@ -112,3 +114,17 @@ def test_fusing_the_conv_bias_needs_nhwc(tmp_path):
     with pytest.raises(ConfigError, match="run.fuse_conv_bias: needs run.prefer_nhwc"):
         load_config(write(tmp_path, "run:\n  fuse_conv_bias: true\n"))
     assert load_config(write(tmp_path, "run:\n  fuse_conv_bias: true\n  prefer_nhwc: true\n")).run.fuse_conv_bias
+
+
+def test_a_shipped_config_is_found_by_its_name_and_a_folder_is_named_as_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no configs/ folder here, as for a user of the installed package
+    for name in ("retinaface_mnet025_e2e", "retinaface_mnet025_e2e.yaml"):
+        assert load_config(name) == load_config(ROOT / "configs" / "retinaface_mnet025_e2e.yaml")
+    (tmp_path / "mine.yaml").write_text("run: {batch_size: 3}\n")
+    assert load_config("mine.yaml").run.batch_size == 3  # a file of the name here comes first
+    with pytest.raises(ConfigError, match="is a folder"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match="does not exist.*retinanet_r50_coco"):
+        load_config("retinanet")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("sub/retinaface_mnet025_e2e.yaml")  # a path with a folder means that folder
