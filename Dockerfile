@@ -28,10 +28,14 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 gcc libc6-dev python3-dev \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --create-home --uid 10001 --user-group gpudet \
- && install -d -o gpudet -g gpudet /home/gpudet/.triton
+ && install -d -o gpudet -g gpudet /home/gpudet/.cache/gpudet/triton /home/gpudet/.cache/gpudet/cuda
 COPY --from=build /opt/gpudet /opt/gpudet
+# What a container compiles on its first command, in one folder to mount as a volume: the
+# postprocess's Triton kernels and the kernels the CUDA driver builds from PTX on the model's first run.
 ENV PATH=/opt/gpudet/bin:$PATH \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    TRITON_CACHE_DIR=/home/gpudet/.cache/gpudet/triton \
+    CUDA_CACHE_PATH=/home/gpudet/.cache/gpudet/cuda
 USER 10001:10001
 WORKDIR /data
 VOLUME ["/data"]

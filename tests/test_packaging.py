@@ -27,6 +27,9 @@ def test_dockerfile_copies_what_exists_and_runs_as_non_root():
             assert (ROOT / path).exists(), path
     assert re.search(r"^USER 10001", text, flags=re.M) and 'ENTRYPOINT ["gpudet"]' in text
     assert 'VOLUME ["/data"]' in text and "cudnn-runtime" in text
+    cache = "/home/gpudet/.cache/gpudet"  # the one folder the README says to mount: both compile caches in it
+    assert f"TRITON_CACHE_DIR={cache}/triton" in text and f"CUDA_CACHE_PATH={cache}/cuda" in text
+    assert f"-v gpudet-cache:{cache}" in (ROOT / "README.md").read_text()
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and "models" not in ignored and "configs" not in ignored
 
