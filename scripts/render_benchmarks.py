@@ -35,6 +35,7 @@ def retinaface_table() -> str:
             ("the default, again on a later tree", "retinaface_default_3"),
             ("the default, with the postprocess's Triton kernels", "retinaface_default_4"),
             ("the default, the kernels compiled while the rest sets up", "retinaface_default_5"),
+            ("the default, the model's first run beside the imports (two passes)", "retinaface_default_6"),
             ("the default with `postprocess.compile=true`", "retinaface_default_compiled"),
             ("`retinaface_mnet025_e2e.yaml` (NMS in the ONNX graph)", "retinaface_e2e"),
             ("before: its default (the end-to-end model)", "before_retinaface_default"),
@@ -61,7 +62,7 @@ def retinaface_table() -> str:
 
 
 DETECT_RUNS = ("detect_106288_default", "detect_106288_default_2", "detect_106288_default_3", "detect_106288_default_4",
-               "detect_106288_default_5")
+               "detect_106288_default_5", "detect_106288_default_6")
 """The default command over 106,288 images, oldest first: the last is the README's."""
 
 
@@ -167,7 +168,12 @@ RAY_RUNS = (  # (label, report, where the Ray rate starts), each machine session
     ("one process", "ray_106288_one_process_10", ""), ("`--ray --workers 1`", "ray_106288_workers_1_10", "first image"),
     ("one process", "ray_106288_one_process_11", ""), ("`--ray --workers 1`", "ray_106288_workers_1_11", "first image"),
     ("one process", "ray_106288_one_process_12", ""), ("`--ray --workers 1`", "ray_106288_workers_1_12", "first image"),
-    ("one process", "ray_106288_one_process_13", ""), ("`--ray --workers 1`", "ray_106288_workers_1_13", "first image"))
+    ("one process", "ray_106288_one_process_13", ""), ("`--ray --workers 1`", "ray_106288_workers_1_13", "first image"),
+    ("one process", "ray_106288_one_process_14", ""), ("`--ray --workers 1`", "ray_106288_workers_1_14", "first image"),
+    ("`--ray --workers 1`", "ray_106288_workers_1_15", "first image"), ("one process", "ray_106288_one_process_15", ""),
+    ("one process", "ray_106288_one_process_16", ""), ("`--ray --workers 1`", "ray_106288_workers_1_16", "first image"),
+    ("one process", "ray_106288_one_process_17", ""), ("`--ray --workers 1`", "ray_106288_workers_1_17", "first image"),
+    ("one process", "ray_106288_one_process_18", ""), ("`--ray --workers 1`", "ray_106288_workers_1_18", "first image"))
 
 RAY_PAIRS = (("ray_106288_workers_1_3", "ray_106288_one_process_3"), ("ray_106288_workers_1_4", "ray_106288_one_process_4"),
              ("ray_106288_workers_1_5", "ray_106288_one_process_5"), ("ray_106288_workers_1_6", "ray_106288_one_process_6"),
@@ -181,6 +187,9 @@ RAY_PAIRS_LATEST = (("ray_106288_workers_1_10", "ray_106288_one_process_10"),
 
 RAY_PAIRS_D7ECEF5 = (("ray_106288_workers_1_12", "ray_106288_one_process_12"),
                      ("ray_106288_workers_1_13", "ray_106288_one_process_13"))
+
+RAY_PAIRS_53CA254 = tuple((f"ray_106288_workers_1_{k}", f"ray_106288_one_process_{k}") for k in range(14, 19))
+"""Each Ray run with the one-process run next to it (omp_threads.json has their order)."""
 """The latest machine session's two pairs, on a later tree again."""
 
 
@@ -207,7 +216,7 @@ def ray_table() -> str:
     ratios = pair_ratios(RAY_PAIRS)
     lines += ["", f"Tree {load(RAY_PAIRS[0][0])['tree']['commit']}'s JSONL pairs, Ray's rate over the one process's next "
               f"to it: {', '.join(f'{x:.3f}' for x in ratios)}; median **{statistics.median(ratios):.3f}x**."]
-    later = (RAY_PAIRS_LATER, RAY_PAIRS_LATEST, RAY_PAIRS_D7ECEF5)
+    later = (RAY_PAIRS_LATER, RAY_PAIRS_LATEST, RAY_PAIRS_D7ECEF5, RAY_PAIRS_53CA254)
     for pairs in later:
         lines += ["", f"Tree {load(pairs[0][0])['tree']['commit']}'s pairs, the same way: "
                   f"{', '.join(f'{x:.3f}' for x in pair_ratios(pairs))}."]
@@ -215,6 +224,14 @@ def ray_table() -> str:
     lines += ["", f"All {len(every)} JSONL pairs of the {len(later) + 1} trees, pooled: median "
               f"**{statistics.median(every):.3f}x**, from {min(every):.3f} to {max(every):.3f}."]
     return "\n".join(lines)
+
+
+def omp_table() -> str:
+    r = load("omp_threads")
+    lines = ["| run | `OMP_NUM_THREADS` | images/s |", "| --- | --- | --- |"]
+    for run in r["runs"]:
+        lines.append(f"| {run['kind']} | {run['OMP_NUM_THREADS'] or 'not set'} | {num(run['images_per_s'])} |")
+    return "\n".join(lines + ["", f"{r['what']}. {r['machine']}, tree {r['tree']}, {r['date']}."])
 
 
 def formats_table() -> str:
@@ -253,10 +270,13 @@ def speed_table() -> str:
     side = load("setup_first_run")["side_by_side"]
     walls = {tree: sorted(run["wall"] for run in side["runs"] if run["tree"] == tree) for tree in side["trees"].values()}
     early, late = walls[side["trees"]["now"]], walls[side["trees"]["before"]]
+    first, *later = load("setup_first_run")["fresh_machine"]["runs"]
     return "\n".join([
         "| what, on one H200 | gpudet | against |", "| --- | --- | --- |",
         f"| `gpudet detect` (the default), 6 images: what a job pays before its rate | {early[0]:.1f}-{early[-1]:.1f} s "
         f"from the command | {late[0]:.1f}-{late[-1]:.1f} s without the early session, side by side |",
+        f"| the same, a fresh machine's first command (its compile caches empty) | {first['wall']:.1f} s from the "
+        f"command | {min(r['wall'] for r in later):.1f}-{max(r['wall'] for r in later):.1f} s for the next commands |",
         f"| `gpudet detect` (the default), {num(detect['processed'])} JPEGs | {detect['seconds']['wall']:.1f} s from the "
         f"command, {num(detect['images_per_s'])} img/s once set up | |",
         f"| RetinaFace, the default config, batch 32 | {num(default['images_per_s']['gpudet'])} img/s | "
@@ -354,6 +374,26 @@ def first_run_table() -> str:
     return "\n".join(lines)
 
 
+def first_command_table() -> str:
+    r = load("setup_first_run")
+    fresh, side = r["fresh_machine"], r["devices_side_by_side"]
+    lines = ["| command on the machine | from the command | before gpudet's clock | Detector.from_config | from the shell |",
+             "| --- | --- | --- | --- | --- |"]
+    for run in fresh["runs"]:
+        lines.append(f"| {run['run']} | **{run['wall']:.2f} s** | {run['startup']:.2f} s | {run['setup']:.2f} s | "
+                     f"{run['shell']:.2f} s |")
+    imports = fresh["importtime"]
+    lines += ["", f"{fresh['what']}. Tree {fresh['tree']}, {fresh['machine']}, {fresh['date']}. Under "
+              f"`python -X importtime`: torch {imports['torch']:.2f} s, DALI {imports['nvidia.dali']:.2f} s, "
+              f"onnxruntime (pipeline.session) {imports['pipeline.session (onnxruntime)']:.2f} s, numpy "
+              f"{imports['numpy']:.2f} s; gpudet's runner with all of them {imports['pipeline.runner']:.2f} s.", "",
+              "| tree | `--devices 0`, from the shell |", "| --- | --- |"]
+    for run in side["runs"]:
+        lines.append(f"| {run['tree']} | **{run['shell']:.2f} s** |")
+    lines += ["", f"{side['what']}; {side['notes']}."]
+    return "\n".join(lines)
+
+
 def first_run_cudnn_table() -> str:
     r = load("first_run_cudnn")
     lines = ["| process | CUDA EP options added | first run | of it in Conv nodes | the next two runs |",
@@ -370,6 +410,14 @@ def first_run_cudnn_table() -> str:
               f"last; {f['count']} execution plans finalized ({c['convolutions']} convolutions), "
               f"**{f['total_s']:.2f} s** in all, {f['min_ms']:.0f}-{f['max_ms']:.0f} ms each (median "
               f"{f['median_ms']:.0f} ms); runtime kernel generation {c['runtime_kernel_generation']['s']:.2f} s."]
+    e = r["env_probes"]
+    lines += ["", "| process | environment | the session's opening | first run | the next two runs |",
+              "| --- | --- | --- | --- | --- |"]
+    for run in e["runs"]:
+        env = ", ".join(f"`{k}={v}`" for k, v in run["env"].items()) or "as it is"
+        lines.append(f"| {run['tag']} | {env} | {run['open']:.2f} s | **{run['runs'][0]:.2f} s** | "
+                     f"{run['runs'][1] * 1000:.0f}, {run['runs'][2] * 1000:.0f} ms |")
+    lines += ["", f"{e['what']}. Tree {e['tree']}, {e['machine']}, {e['date']}; {e['notes']}."]
     return "\n".join(lines)
 
 
@@ -379,7 +427,8 @@ def shorten(command: str) -> str:
 
 SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "setup": setup_table, "retinanet": retinanet_table,
             "ray": ray_table, "formats": formats_table, "threads": threads_table,
-            "first_run": first_run_table, "first_run_cudnn": first_run_cudnn_table}
+            "first_run": first_run_table, "first_run_cudnn": first_run_cudnn_table, "first_command": first_command_table,
+            "omp": omp_table}
 
 
 def render(text: str, sections: dict) -> str:
