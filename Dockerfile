@@ -28,7 +28,8 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 gcc libc6-dev python3-dev \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --create-home --uid 10001 --user-group gpudet \
- && install -d -o gpudet -g gpudet /home/gpudet/.cache/gpudet/triton /home/gpudet/.cache/gpudet/cuda
+ && install -d -o gpudet -g gpudet /home/gpudet/.cache /home/gpudet/.cache/gpudet /home/gpudet/.cache/gpudet/triton \
+      /home/gpudet/.cache/gpudet/cuda
 COPY --from=build /opt/gpudet /opt/gpudet
 # What a container compiles on its first command, in one folder to mount as a volume: the
 # postprocess's Triton kernels and the kernels the CUDA driver builds from PTX on the model's first run.

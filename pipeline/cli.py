@@ -308,14 +308,19 @@ def cmd_draw(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise OutputError(f"--out {out} is a file, not a folder; give a folder for the drawings")
+    records = read_detections(args.detections)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputError(f"--out {out} cannot be made: {e.strerror or e}; give a folder gpudet may create "
                           "and write") from None
     root = args.root if args.root is not None else recorded_root(args.detections)
-    written, skipped = draw_records(read_detections(args.detections), args.out, root=root, limit=args.limit,
-                                    min_score=args.min_score, image_format=args.image_format)
+    try:
+        written, skipped = draw_records(records, out, root=root, limit=args.limit, min_score=args.min_score,
+                                        image_format=args.image_format)
+    except OSError as e:  # writing a drawing (reading an image is a skip): the disk full, a file size limit
+        raise OutputWriteError(e.filename or out, e, "the drawings before it are written; make room, or give "
+                                                     "--out a folder gpudet may write") from None
     for line in skipped:
         log.warning("not drawn: %s", line)
     if not args.quiet:

@@ -21,8 +21,20 @@ METRICS = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "A
 
 
 ENTRY_FIELDS = {"images": ("id", "file_name"), "categories": ("id", "name"),
-                "annotations": ("image_id", "category_id", "bbox")}
+                "annotations": ("id", "image_id", "category_id", "bbox")}
 """What gpudet and COCO's evaluation read of each entry of an annotation file's lists."""
+
+
+def bad_field(entry: dict) -> str | None:
+    """What is wrong with an entry's file_name, name or bbox (all present), if anything."""
+    for name in ("file_name", "name"):
+        if name in entry and not isinstance(entry[name], str):
+            return f"has a {name} that is not a string"
+    box = entry.get("bbox", [0, 0, 0, 0])
+    if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                           for v in box)):
+        return f"has a bbox that is not [x, y, width, height]: {json.dumps(box)[:60]}"
+    return None
 
 
 def load_annotations(path: str | Path, *, for_eval: bool = False) -> dict:
@@ -39,9 +51,9 @@ def load_annotations(path: str | Path, *, for_eval: bool = False) -> dict:
         for k, entry in enumerate(gt[key]):
             fields = ENTRY_FIELDS[key]
             missing = [f for f in fields if not isinstance(entry, dict) or f not in entry]
-            if missing or not all(isinstance(entry[f], str) for f in fields if f in ("file_name", "name")):
-                raise ConfigError(f"--annotations {path}: {key}[{k}] " + (f"has no '{missing[0]}'" if missing else
-                                  "has a name that is not a string") + f"; each of its {key} needs "
+            problem = f"has no '{missing[0]}'" if missing else bad_field(entry)
+            if problem:
+                raise ConfigError(f"--annotations {path}: {key}[{k}] {problem}; each of its {key} needs "
                                   + ", ".join(f"'{f}'" for f in fields))
     return gt
 

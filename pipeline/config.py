@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import numbers
 import types
@@ -22,6 +23,8 @@ from typing import Any, Literal
 import yaml
 
 from .errors import ConfigError
+
+log = logging.getLogger("gpudet")
 
 
 @dataclass(frozen=True)
@@ -326,6 +329,7 @@ def config_file(text: str | Path | None) -> Path:
     if str(text) == given.name:
         for name in (given.name, f"{given.name}.yaml"):
             if builtin_config(name).is_file():
+                log.info("config %s: the one gpudet ships, %s (no file of that name here)", text, builtin_config(name))
                 return builtin_config(name)
     shipped = ", ".join(sorted(p.stem for p in _data_dir("configs").glob("*.yaml")))
     raise ConfigError(f"config file {given} does not exist; give a YAML file's path or the name of a config gpudet "

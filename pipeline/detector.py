@@ -141,7 +141,8 @@ class Detector:
 
         items: what `run` takes as its source (a file list, folder or glob; images in memory; any
         iterable of paths and images, each indexed by its position), or the stream's own items
-        (ImageRef, source.as_item's), which carry their index.
+        (ImageRef, source.as_item's), which carry their index (one or the other in a stream: a
+        position and a carried index are never reconciled).
 
         One stream at a time per detector (its DALI pipeline and output buffers serve one): a
         second, started before the first is finished or closed, raises."""

@@ -123,7 +123,8 @@ def format_info(info: dict) -> str:
              ", ".join(f"{k} {v}" for k, v in info["opset"].items()),
              f"producer   {info['producer'] or '-'}", f"nodes      {info['nodes']} ({', '.join(info['ops'])})"]
     lines += [f"input      {s}" for s in info["inputs"]] + [f"output     {s}" for s in info["outputs"]]
-    lines.append("image      " + ", ".join(f"{k} {v}" for k, v in info["image_input"].items()))
+    image = info["image_input"]  # a dict, or why the model has no image input
+    lines.append("image      " + (", ".join(f"{k} {v}" for k, v in image.items()) if isinstance(image, dict) else image))
     lines.append(f"contract   {info['contract']}")
     if "retinanet" in info:
         r = info["retinanet"]

@@ -83,7 +83,7 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, s
 
 
 DECODER_NOISE = re.compile(r"libjpeg|libpng|_parser\]|Corrupt JPEG|Premature end of JPEG|JPEG datastream|"
-                           r"Unsupported marker|_decoder\]|TIFF")
+                           r"Unsupported marker|_decoder\]|\bTIFF[A-Z]\w*:|OpenCV TIFF")
 """What image decoders print about a bad file: libjpeg's, libpng's and libtiff's lines (OpenCV's
 too), DALI's nvImageCodec parsers' and decoders' ([jpeg_parser], [png_parser], [..._decoder])."""
 

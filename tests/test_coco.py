@@ -229,8 +229,27 @@ def test_an_annotation_entry_without_its_fields_is_named(labelled, tmp_path, cap
     for gt, says in [({"images": [{"file_name": "a.jpg"}], "categories": []}, "images[0] has no 'id'"),
                      ({"images": [], "categories": [{"id": 1, "name": 7}]}, "categories[0] has a name that is not"),
                      ({"images": [{"id": 1, "file_name": "a.jpg"}], "categories": [], "annotations": [{"id": 1}]},
-                      "annotations[0] has no 'image_id'")]:
+                      "annotations[0] has no 'image_id'"),
+                     ({"images": [], "categories": [], "annotations": [{"image_id": 1, "category_id": 7, "bbox": [1, 2, 3, 4]}]},
+                      "annotations[0] has no 'id'"),
+                     ({"images": [], "categories": [], "annotations": [{"id": 1, "image_id": 1, "category_id": 7,
+                                                                        "bbox": [1, 2, 3]}]},
+                      "annotations[0] has a bbox that is not [x, y, width, height]: [1, 2, 3]")]:
         (tmp_path / "gt.json").write_text(json.dumps(gt))
         assert main(["eval", out, "--annotations", str(tmp_path / "gt.json"), "--quiet"]) == 2
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err, err
+
+
+def test_a_drawing_that_cannot_be_written_is_exit_4_in_one_line(labelled, tmp_path):
+    """A file size limit (as a full disk) while writing the drawings: one line naming the file, exit 4;
+    a detections file that is not there leaves no --out folder behind."""
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
+            "from pipeline.cli import main; sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", code, "draw", str(labelled / "out"), "--out", str(tmp_path / "d")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 4, done.stderr
+    assert "file size limit" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert main(["draw", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "new"), "--quiet"]) == 2
+    assert not (tmp_path / "new").exists()

@@ -32,6 +32,13 @@ def test_inspect_explains_a_model_that_fits_no_contract(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "contract   none" in text and "y float [1, 3, 8, 8]" in text and "boxes (rank 2)" in text
     assert main(["inspect", str(tmp_path / "missing.onnx")]) == 2
+    graph = onnx.helper.make_graph(  # and one with no image input at all
+        [onnx.helper.make_node("Identity", ["x"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 10])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 10])])
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8), path)
+    assert main(["inspect", str(path)]) == 0
+    assert "image      none: " in capsys.readouterr().out
 
 
 @pytest.mark.cuda
