@@ -304,16 +304,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_draw(args: argparse.Namespace) -> int:
     from .coco import read_detections
     from .draw import draw_records, recorded_root
+    from .sinks import make_folder
 
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"--out {out} is a file, not a folder; give a folder for the drawings")
     records = read_detections(args.detections)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(f"--out {out} cannot be made: {e.strerror or e}; give a folder gpudet may create "
-                          "and write") from None
+    make_folder(out)
     root = args.root if args.root is not None else recorded_root(args.detections)
     try:
         written, skipped = draw_records(records, out, root=root, limit=args.limit, min_score=args.min_score,

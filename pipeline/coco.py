@@ -30,9 +30,9 @@ def bad_field(entry: dict) -> str | None:
     for name in ("file_name", "name"):
         if name in entry and not isinstance(entry[name], str):
             return f"has a {name} that is not a string"
-    box = entry.get("bbox", [0, 0, 0, 0])
-    if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                           for v in box)):
+    box = entry.get("bbox")
+    if "bbox" in entry and not (isinstance(box, list) and len(box) == 4 and
+                                all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in box)):
         return f"has a bbox that is not [x, y, width, height]: {json.dumps(box)[:60]}"
     return None
 

@@ -598,19 +598,9 @@ class OutputFolder:
         self.resume, self.overwrite, self.retry_failed = resume, overwrite, retry_failed
         self.tally = Tally()
         self._writers: tuple[JsonlWriter | ParquetWriter, JsonlWriter] | None = None
-        self._made = False
+        self._made = make_folder(self.path)
         """This run made the folder: if it ends before it started (refused, or its model does not
         load), close() removes the folder again, so that no empty --out is left behind."""
-        try:
-            self.path.mkdir(parents=True)
-            self._made = True
-        except FileExistsError:
-            if not self.path.is_dir():
-                raise OutputError(f"--out {self.path} is a file, not a folder; give a folder gpudet may create and "
-                                  "write") from None
-        except OSError as e:
-            raise OutputError(f"--out {self.path} cannot be made: {e.strerror or e}; give a folder gpudet may create "
-                              "and write") from None
         linked = [self.path / name for name in self.FILES if (self.path / name).is_symlink()]
         if linked:
             raise OutputError(f"{linked[0]} is a symbolic link; gpudet never writes through one: remove it")
@@ -850,6 +840,22 @@ class OutputFolder:
         }
         write_json_atomic(self.path / "summary.json", summary)
         return summary
+
+
+def make_folder(path: Path) -> bool:
+    """Make the --out folder `path` (and its parents) if it is not there; True if this call made
+    it. OutputError if it is a file or cannot be made."""
+    try:
+        path.mkdir(parents=True)
+        return True
+    except FileExistsError:
+        if not path.is_dir():
+            raise OutputError(f"--out {path} is a file, not a folder; give a folder gpudet may create and "
+                              "write") from None
+        return False
+    except OSError as e:
+        raise OutputError(f"--out {path} cannot be made: {e.strerror or e}; give a folder gpudet may create "
+                          "and write") from None
 
 
 def hold_lock(path: Path, folder: Path) -> int:

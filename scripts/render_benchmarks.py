@@ -339,6 +339,11 @@ FIRST_RUN_VARIANTS = (("the default config", ("rf", "plain")),
                       ("another session's first run before it (a one-convolution model)", ("tiny",)))
 
 
+def timings(run: dict) -> str:
+    """A command's cells from its summary.json: from the command, before gpudet's clock, Detector.from_config."""
+    return f"**{run['wall']:.2f} s** | {run['startup']:.2f} s | {run['setup']:.2f} s"
+
+
 def first_run_table() -> str:
     r = load("setup_first_run")
     p, o = r["probe_warmup"], r["overlap"]
@@ -363,13 +368,12 @@ def first_run_table() -> str:
               "| tree | command | from the command | before gpudet's clock | Detector.from_config |",
               "| --- | --- | --- | --- | --- |"]
     for run in r["cli"]["runs"]:
-        lines.append(f"| {run['tree']} | {run['run']} | **{run['wall']:.2f} s** | {run['startup']:.2f} s | "
-                     f"{run['setup']:.2f} s |")
+        lines.append(f"| {run['tree']} | {run['run']} | {timings(run)} |")
     lines += ["", f"{r['cli']['what']}. {r['cli']['notes']}.", "",
               "| tree | from the command | before gpudet's clock | Detector.from_config |", "| --- | --- | --- | --- |"]
     side = r["side_by_side"]
     for run in side["runs"]:
-        lines.append(f"| {run['tree']} | **{run['wall']:.2f} s** | {run['startup']:.2f} s | {run['setup']:.2f} s |")
+        lines.append(f"| {run['tree']} | {timings(run)} |")
     lines += ["", f"{side['what']}; rows in the order they ran. {side['machine_session']}; {side['notes']}."]
     return "\n".join(lines)
 
@@ -380,8 +384,7 @@ def first_command_table() -> str:
     lines = ["| command on the machine | from the command | before gpudet's clock | Detector.from_config | from the shell |",
              "| --- | --- | --- | --- | --- |"]
     for run in fresh["runs"]:
-        lines.append(f"| {run['run']} | **{run['wall']:.2f} s** | {run['startup']:.2f} s | {run['setup']:.2f} s | "
-                     f"{run['shell']:.2f} s |")
+        lines.append(f"| {run['run']} | {timings(run)} | {run['shell']:.2f} s |")
     imports = fresh["importtime"]
     lines += ["", f"{fresh['what']}. Tree {fresh['tree']}, {fresh['machine']}, {fresh['date']}. Under "
               f"`python -X importtime`: torch {imports['torch']:.2f} s, DALI {imports['nvidia.dali']:.2f} s, "
