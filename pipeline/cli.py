@@ -217,8 +217,9 @@ def summary_table(s: dict) -> str:
     took = f"{seconds['wall']:.2f}s from the command" if "wall" in seconds else f"{seconds['total']:.2f}s"
     setup = f"start {seconds['startup']:.2f}s + setup {seconds['setup']:.2f}s, then " if "setup" in seconds else ""
     found = counted(s["detections"], "detection")
-    lines = [f"gpudet: {s['processed']}/{s['images']} images{done}, {found}, {s['failed']} failed in {took} "
-             f"({setup}{s['images_per_s']} img/s on {s['device']})"]
+    ran = "nothing left to process" if s["already_done"] == s["images"] else \
+        f"{setup}{s['images_per_s']} img/s on {s['device']}"
+    lines = [f"gpudet: {s['processed']}/{s['images']} images{done}, {found}, {s['failed']} failed in {took} ({ran})"]
     stages = [f"{k} {v:.2f}s" for k, v in seconds.items() if k not in ("total", "wall", "startup", "setup")]
     if stages:
         lines.append("        stages: " + ", ".join(stages))

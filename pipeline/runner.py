@@ -16,7 +16,6 @@ from pathlib import Path
 
 from .config import Config
 from .errors import last_record_written, stderr_into_log
-from .detector import Detector
 from .results import ImageError, ImageRef
 from .sinks import OutputFolder, RunResult
 from .source import list_images
@@ -32,13 +31,33 @@ def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | 
                       retry_failed=retry_failed) as folder:
         refs = list_images(source, root=root)
         todo = folder.begin(refs, config.result_settings())
+        if not todo:
+            return recorded_already(folder, config, source=str(source), images=len(refs))
         return detect_into(folder, todo, config, source=str(source), images=len(refs), progress=progress)
+
+
+def recorded_already(folder: OutputFolder, config: Config, *, source: str, images: int) -> RunResult:
+    """A run with every image of its source recorded (--resume of a finished run): the records an
+    earlier --devices or --ray run left in shards merged, and a summary of nothing processed. No
+    detector is built: nothing is loaded onto a device, and torch and DALI are not imported."""
+    started = datetime.now(timezone.utc)
+    startup_s, t0 = process_seconds(), time.perf_counter()
+    if folder.shards:
+        folder.merge()
+        folder.drop_shards()
+    summary = folder.write_summary(
+        source=source, images=images, todo=0, device=config.run.device,
+        seconds={"wall": process_seconds(), "startup": startup_s, "total": time.perf_counter() - t0},
+        loop_seconds=0.0, started=started, config=config.to_dict())
+    return RunResult(summary, folder.tally.exit_code)
 
 
 def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, source: str, images: int,
                 progress: bool | None) -> RunResult:
     """Build the detector and run it over `todo`, writing into `folder`. images: the source's count."""
     from tqdm import tqdm
+
+    from .detector import Detector  # torch, DALI and Triton: imported by the runs that build a detector
 
     started = datetime.now(timezone.utc)
     startup_s = process_seconds()  # the command's start and imports, before this run's clock

@@ -201,6 +201,24 @@ def test_resume_counts_earlier_failures_and_retry_failed_processes_them_again(tm
     assert detect(listing, "--out", out, "--device", "cpu", "--workers", "2") == 2  # --workers without --ray
 
 
+def test_resume_of_a_finished_run_builds_no_detector(tmp_path):
+    """Every image recorded: --resume says there is nothing left, leaves the records as they are and
+    loads no model, DALI or torch (in a process of its own, so the imports are its own)."""
+    out = tmp_path / "out"
+    assert detect(SAMPLES, "--out", out, "--device", "cpu") == 0
+    records = (out / "detections.jsonl").read_bytes()
+    code = ("import sys; from pipeline.cli import main; "
+            f"rc = main(['detect', {str(SAMPLES)!r}, '--out', {str(out)!r}, '--resume']); "
+            "print(rc, [m for m in ('torch', 'nvidia.dali', 'triton') if m in sys.modules])")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0 and run.stdout.splitlines()[-1] == "0 []", run.stdout + run.stderr
+    assert "0/6 images (+6 done before), 0 detections, 0 failed" in run.stdout
+    assert "(nothing left to process)" in run.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["already_done"], summary["processed"], summary["detections"]) == (6, 0, 0)
+    assert (out / "detections.jsonl").read_bytes() == records and read_jsonl(out / "errors.jsonl") == []
+
+
 def test_retry_failed_with_another_source_is_refused_before_anything_is_emptied(tmp_path):
     listing = tmp_path / "list.txt"
     listing.write_text(f"{SAMPLES / 'china.jpg'}\n{tmp_path / 'nope.jpg'}\n")
