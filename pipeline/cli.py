@@ -221,7 +221,7 @@ def summary_table(s: dict) -> str:
         f"{setup}{s['images_per_s']} img/s on {s['device']}"
     lines = [f"gpudet: {s['processed']}/{s['images']} images{done}, {found}, {s['failed']} failed in {took} ({ran})"]
     stages = [f"{k} {v:.2f}s" for k, v in seconds.items() if k not in ("total", "wall", "startup", "setup")]
-    if stages:
+    if stages and s["already_done"] != s["images"]:
         lines.append("        stages: " + ", ".join(stages))
     for w in s.get("workers", []):
         died = w.get("exit_codes", [])[:-1]  # the exit codes of processes restarted after them
@@ -231,7 +231,7 @@ def summary_table(s: dict) -> str:
     if s["failed_by_reason"]:
         lines.append("        failed: " + ", ".join(f"{k} {v}" for k, v in sorted(s["failed_by_reason"].items())))
     lines.append(f"        results in {s['results']}" +
-                 (f", errors in {s['out']}/errors.jsonl" if s["failed"] else ""))
+                 (f", errors in {s['out']}/errors.jsonl" if s["failed"] or s.get("already_failed") else ""))
     return "\n".join(lines)
 
 

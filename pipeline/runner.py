@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .config import Config
-from .errors import last_record_written, stderr_into_log
+from .errors import last_record_written, signals_held, stderr_into_log
 from .results import ImageError, ImageRef
 from .sinks import OutputFolder, RunResult
 from .source import list_images
@@ -39,7 +39,8 @@ def run_detect(source: str, out_dir: str | Path, config: Config, *, root: str | 
 def recorded_already(folder: OutputFolder, config: Config, *, source: str, images: int) -> RunResult:
     """A run with every image of its source recorded (--resume of a finished run): the records an
     earlier --devices or --ray run left in shards merged, and a summary of nothing processed. No
-    detector is built: nothing is loaded onto a device, and torch and DALI are not imported."""
+    detector is built and torch and DALI are not imported (on a GPU, the model's session that
+    session.start_early opened beside the listing is let go when the command ends)."""
     started = datetime.now(timezone.utc)
     startup_s, t0 = process_seconds(), time.perf_counter()
     if folder.shards:
@@ -57,7 +58,8 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, s
     """Build the detector and run it over `todo`, writing into `folder`. images: the source's count."""
     from tqdm import tqdm
 
-    from .detector import Detector  # torch, DALI and Triton: imported by the runs that build a detector
+    with signals_held():  # torch, DALI and Triton: imported by the runs that build a detector
+        from .detector import Detector
 
     started = datetime.now(timezone.utc)
     startup_s = process_seconds()  # the command's start and imports, before this run's clock

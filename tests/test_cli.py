@@ -182,7 +182,7 @@ def test_file_names_that_are_not_utf8_are_written_and_read_back(tmp_path):
     assert [(os.fsencode(e["path"]), e["reason"]) for e in errors] == [(empty, "empty")]
 
 
-def test_resume_counts_earlier_failures_and_retry_failed_processes_them_again(tmp_path):
+def test_resume_counts_earlier_failures_and_retry_failed_processes_them_again(tmp_path, capsys):
     """exit 3 while errors.jsonl lists failures, also for a --resume that had nothing new fail;
     --retry-failed processes them again once they are fixed."""
     listing = tmp_path / "list.txt"
@@ -191,7 +191,10 @@ def test_resume_counts_earlier_failures_and_retry_failed_processes_them_again(tm
     out = tmp_path / "out"
     assert detect(listing, "--out", out, "--device", "cpu") == 3
     later.write_bytes((SAMPLES / "china.jpg").read_bytes())  # the missing file, fixed
+    capsys.readouterr()
     assert detect(listing, "--out", out, "--device", "cpu", "--resume") == 3
+    assert f"(nothing left to process)\n        results in {out}/detections.jsonl, errors in {out}/errors.jsonl" \
+        in capsys.readouterr().out  # the failure the exit code counts, and where it is
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["already_done"], summary["already_failed"], summary["failed"]) == (2, 1, 0)
     assert detect(listing, "--out", out, "--device", "cpu", "--retry-failed") == 2  # needs --resume
