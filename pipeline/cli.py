@@ -217,11 +217,11 @@ def summary_table(s: dict) -> str:
     took = f"{seconds['wall']:.2f}s from the command" if "wall" in seconds else f"{seconds['total']:.2f}s"
     setup = f"start {seconds['startup']:.2f}s + setup {seconds['setup']:.2f}s, then " if "setup" in seconds else ""
     found = counted(s["detections"], "detection")
-    ran = "nothing left to process" if s["already_done"] == s["images"] else \
-        f"{setup}{s['images_per_s']} img/s on {s['device']}"
+    nothing_left = s["already_done"] == s["images"]
+    ran = "nothing left to process" if nothing_left else f"{setup}{s['images_per_s']} img/s on {s['device']}"
     lines = [f"gpudet: {s['processed']}/{s['images']} images{done}, {found}, {s['failed']} failed in {took} ({ran})"]
     stages = [f"{k} {v:.2f}s" for k, v in seconds.items() if k not in ("total", "wall", "startup", "setup")]
-    if stages and s["already_done"] != s["images"]:
+    if stages and not nothing_left:
         lines.append("        stages: " + ", ".join(stages))
     for w in s.get("workers", []):
         died = w.get("exit_codes", [])[:-1]  # the exit codes of processes restarted after them

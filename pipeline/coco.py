@@ -48,8 +48,8 @@ def load_annotations(path: str | Path, *, for_eval: bool = False) -> dict:
         if not isinstance(gt, dict) or not isinstance(gt.get(key), list):
             raise ConfigError(f"--annotations {path}: no '{key}' list; is this a COCO annotation file"
                               + (" with ground truth (eval needs it)?" if key == "annotations" else "?"))
+        fields = ENTRY_FIELDS[key]
         for k, entry in enumerate(gt[key]):
-            fields = ENTRY_FIELDS[key]
             missing = [f for f in fields if not isinstance(entry, dict) or f not in entry]
             problem = f"has no '{missing[0]}'" if missing else bad_field(entry)
             if problem:

@@ -327,13 +327,13 @@ def config_file(text: str | Path | None) -> Path:
     if given.is_dir():
         raise ConfigError(f"config {given} is a folder; give a YAML config file (or the name of one gpudet ships)")
     if str(text) == given.name:
-        for name in (given.name, f"{given.name}.yaml"):
-            if builtin_config(name).is_file():
-                log.info("config %s: the one gpudet ships, %s (no file of that name here)", text, builtin_config(name))
-                return builtin_config(name)
-    shipped = ", ".join(sorted(p.stem for p in _data_dir("configs").glob("*.yaml")))
+        for shipped in (builtin_config(given.name), builtin_config(f"{given.name}.yaml")):
+            if shipped.is_file():
+                log.info("config %s: the one gpudet ships, %s (no file of that name here)", text, shipped)
+                return shipped
+    names = ", ".join(sorted(p.stem for p in _data_dir("configs").glob("*.yaml")))
     raise ConfigError(f"config file {given} does not exist; give a YAML file's path or the name of a config gpudet "
-                      f"ships: {shipped}")
+                      f"ships: {names}")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), *, origin: str = "overrides") -> Config:

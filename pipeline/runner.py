@@ -43,9 +43,7 @@ def recorded_already(folder: OutputFolder, config: Config, *, source: str, image
     session.start_early opened beside the listing is let go when the command ends)."""
     started = datetime.now(timezone.utc)
     startup_s, t0 = process_seconds(), time.perf_counter()
-    if folder.shards:
-        folder.merge()
-        folder.drop_shards()
+    merge_shards(folder)
     summary = folder.write_summary(
         source=source, images=images, todo=0, device=config.run.device,
         seconds={"wall": process_seconds(), "startup": startup_s, "total": time.perf_counter() - t0},
@@ -87,10 +85,7 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, s
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was written stays; --resume continues
             folder.tally.interrupted = True
         last_record_written()  # closing the files and the summary go on whatever comes
-    if folder.shards:  # an earlier --devices or --ray run's records, counted as done by begin
-        folder.merge()
-        if not folder.tally.interrupted:
-            folder.drop_shards()
+    merge_shards(folder)
     total_s = time.perf_counter() - t0
     summary = folder.write_summary(
         source=source, images=images, todo=len(todo), device=detector.device.describe(),
@@ -101,6 +96,15 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, s
         started=started, model=detector.describe(), config=detector.config.to_dict(),
         extra={"model_batch": detector.engine.run_batch or detector.batch_size})
     return RunResult(summary, folder.tally.exit_code)
+
+
+def merge_shards(folder: OutputFolder) -> None:
+    """Merge the records an earlier --devices or --ray run left in shards (begin counted them as
+    done) into the folder's files; the shards go once this run was not interrupted."""
+    if folder.shards:
+        folder.merge()
+        if not folder.tally.interrupted:
+            folder.drop_shards()
 
 
 DECODER_NOISE = re.compile(r"libjpeg|libpng|_parser\]|Corrupt JPEG|Premature end of JPEG|JPEG datastream|"
