@@ -6,11 +6,11 @@ compute stream of the caller's. Engine opens its session through it.
 
 A session's first run on a GPU costs seconds, once per session (docs/BENCHMARKS.md, "Setup: the
 model's first run"), and the imports before it (torch, DALI, Triton) cost seconds more, with the
-GIL held. `start_early` opens the session a config asks for before those imports,
-on a CUDA stream of its own, and starts its first run on the thread that will be the engine's:
-ORT releases the GIL for the run, so the two overlap. Engine takes that session, thread and
-stream over when it is built for the same model, device and options (`take_started`); otherwise
-nothing is taken and Engine opens its own.
+GIL held. `start_early` opens the session a config asks for before those imports, on a CUDA
+stream of its own, and then runs it once, both on the thread that will be the engine's: the CUDA
+runtime and ORT release the GIL for the context, the session and the run, so they overlap the
+imports. Engine takes that session, thread and stream over when it is built for the same model,
+device and options (`take_started`); otherwise nothing is taken and Engine opens its own.
 """
 
 from __future__ import annotations
@@ -228,17 +228,27 @@ def _session(model_path: Path, dim_overrides: dict[str, int], providers: list | 
 
 @dataclass
 class Started:
-    """A session opened ahead of its Engine: its stream, the thread its first run is on."""
+    """A session start_early is opening ahead of its Engine, on the thread that becomes the
+    engine's: first its stream and session (`opening`), then its first run."""
 
-    stream: int
-    """ORT's compute stream (a cudaStream_t), created for this session."""
     executor: ThreadPoolExecutor
     thread: threading.Thread
-    """The executor's one thread: the engine's, where every run of this session goes."""
-    opened: Opened
+    """The executor's one thread: the engine's, where the session opens and every run of it goes."""
+    opening: Future
+    """-> Early (its stream and session), or None where it could not open: no CUDA runtime or
+    stream, or an error that Detector.from_config meets again and reports."""
     first_run: Future
     run_options: ort.RunOptions
     """The first run's options: `terminate` ends it early when no Engine takes the session."""
+
+
+@dataclass(frozen=True)
+class Early:
+    """What start_early's opening made."""
+
+    stream: int
+    """ORT's compute stream (a cudaStream_t), created for this session."""
+    opened: Opened
 
 
 _started: dict[tuple, Started] = {}
@@ -259,7 +269,8 @@ def drop_started() -> None:
     """Let go of sessions started early that no Engine took (the device was not the one foreseen,
     or the command ended before building its detector): their first run is told to stop, and ends
     after the node it is in (ORT checks between nodes: at most a few tenths of a second). It is
-    waited for: a CUDA graph captured meanwhile on another stream fails at that run's allocations."""
+    waited for, with the session's opening before it if that still goes: a CUDA graph captured
+    meanwhile on another stream fails at that run's allocations."""
     while _started:
         _, started = _started.popitem()
         started.run_options.terminate = True
@@ -268,9 +279,9 @@ def drop_started() -> None:
 
 @contextmanager
 def started_early(config: Config) -> Iterator[None]:
-    """start_early for a block that then imports torch, DALI and Triton (the model's first run on
-    the GPU beside them; SIGINT and SIGTERM held while the session opens); a session no detector
-    took in the block is let go at its end."""
+    """start_early for a block that then imports torch, DALI and Triton (the session's opening and
+    its first run on the GPU beside them; SIGINT and SIGTERM held while their thread starts); a
+    session no detector took in the block is let go at its end."""
     with signals_held():
         start_early(config)
     try:
@@ -280,37 +291,56 @@ def started_early(config: Config) -> Iterator[None]:
 
 
 def start_early(config: Config) -> None:
-    """Open the session `Detector.from_config(config)` will use on a GPU, and start its first run
-    on the engine's thread, before the caller imports torch (module docstring). Does nothing
-    where that run would not be on a GPU or the model is not found; every problem is left for
-    Detector.from_config to meet and report."""
+    """Start opening the session `Detector.from_config(config)` will use on a GPU, then its first
+    run, on the engine's thread, before the caller imports torch (module docstring). The calling
+    thread goes on at once: the CUDA context, the stream and the session are made beside its
+    imports. Does nothing where that run would not be on a GPU or the config names no model
+    file; every problem is left for Detector.from_config to meet and report."""
     run = config.run
     if run.device == "cpu" or "CUDAExecutionProvider" not in ort.get_available_providers():
         return
     try:
         index = 0 if run.device in ("auto", "cuda") else int(run.device.removeprefix("cuda:"))
         args = engine_arguments(config, on_gpu=True)
-        scalars = args.pop("scalars")
-        stream = new_stream(index)
-        if stream is None:
-            return
-        opened = open_session(cuda_index=index, stream=stream, **args)
-    except Exception as e:  # ConfigError, ModelError, ORT's: Detector.from_config reports them
+    except Exception as e:  # ConfigError, ModelError: Detector.from_config reports them
         log.debug("no early start of the session: %s", e)
         return
+    if not has_driver():
+        return
+    scalars = args.pop("scalars")
     executor = ThreadPoolExecutor(1, thread_name_prefix="gpudet-engine")
     thread = executor.submit(threading.current_thread).result()
     run_options = ort.RunOptions()
+    opening = executor.submit(_open_early, index, args)
+    first_run = executor.submit(_first_run, opening, index, run.batch_size, args["input_size_hw"], scalars,
+                                run_options)
+    _started[session_key(cuda_index=index, **args)] = Started(executor, thread, opening, first_run, run_options)
+
+
+def _open_early(index: int, args: dict) -> Early | None:
+    """start_early's opening, on the engine's thread: a stream, then the session on it."""
+    try:
+        stream = new_stream(index)
+        if stream is None:
+            return None
+        return Early(stream, open_session(cuda_index=index, stream=stream, **args))
+    except Exception as e:  # ModelError, ORT's: Detector.from_config meets them again and reports them
+        log.debug("no early start of the session: %s", e)
+        return None
+
+
+def _first_run(opening: Future, index: int, batch_size: int, input_size_hw, scalars: dict,
+               options: ort.RunOptions) -> None:
+    """One run on a zero batch (the CUDA EP's one-time work), outside any CUDA graph, once the
+    session is open (`opening`, done: it ran before this on the same thread)."""
+    early = opening.result()
+    if early is None:
+        return
+    opened = early.opened
     if opened.cuda_graph:
-        run_options.add_run_config_entry("gpu_graph_id", "-1")  # run, neither capture nor replay
-    shape = opened.image_input.batch_shape(opened.image_input.batch or run.batch_size, args["input_size_hw"])
-    first_run = executor.submit(_first_run, opened, index, shape, scalars, run_options)
-    _started[session_key(cuda_index=index, **args)] = Started(stream, executor, thread, opened, first_run, run_options)
-
-
-def _first_run(opened: Opened, index: int, shape: tuple[int, ...], scalars: dict, options: ort.RunOptions) -> None:
-    """One run on a zero batch (the CUDA EP's one-time work), outside any CUDA graph."""
+        options.add_run_config_entry("gpu_graph_id", "-1")  # run, neither capture nor replay
     image = opened.image_input
+    shape = image.batch_shape(image.batch or batch_size, input_size_hw)
     binding = opened.session.io_binding()
     zeros = np.zeros(shape, np.float16 if image.dtype == "float16" else np.float32)
     binding.bind_ortvalue_input(image.name, ort.OrtValue.ortvalue_from_numpy(zeros, "cuda", index))
@@ -325,9 +355,7 @@ def new_stream(index: int) -> int | None:
     CUDA runtime that onnxruntime loaded, without torch; None if that runtime or a driver is not
     found. The calling thread's current device becomes cuda:`index`, as the session's opening on
     it makes it anyway (going back to the device before would make a context on cuda:0)."""
-    try:
-        ctypes.CDLL("libcuda.so.1")  # the driver: without it there is no GPU to start anything on
-    except OSError:
+    if not has_driver():
         return None
     ort.preload_dlls()
     cudart = _cudart()
@@ -337,6 +365,15 @@ def new_stream(index: int) -> int | None:
     if cudart.cudaSetDevice(index) or cudart.cudaStreamCreateWithFlags(ctypes.byref(stream), 1):  # non-blocking
         return None
     return stream.value
+
+
+def has_driver() -> bool:
+    """Whether the CUDA driver loads: without it there is no GPU to start anything on."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def _cudart() -> ctypes.CDLL | None:

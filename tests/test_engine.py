@@ -381,6 +381,42 @@ def test_start_early_starts_nothing_off_the_gpu():
     assert not session._started
 
 
+def test_start_early_leaves_the_opening_to_the_engine_thread(monkeypatch):
+    """start_early returns at once: the CUDA context and stream, the session and then its first
+    run are made on the thread that becomes the engine's, while the caller imports torch, DALI
+    and Triton (the CUDA parts stand in here: the opening waits until the test lets it go)."""
+    import threading
+
+    from pipeline import session
+    from pipeline.config import load_config
+
+    release, seen = threading.Event(), {}
+
+    def open_session(**kwargs):
+        seen["open"] = threading.current_thread()
+        assert release.wait(10), "start_early waited for the opening"
+        return "the session"
+
+    def first_run(opening, *args):
+        seen["run"] = (threading.current_thread(), opening.result())
+
+    monkeypatch.setattr(session.ort, "get_available_providers", lambda: ["CUDAExecutionProvider"])
+    monkeypatch.setattr(session, "has_driver", lambda: True)
+    monkeypatch.setattr(session, "new_stream", lambda index: seen.setdefault("stream", threading.current_thread())
+                        and 1234)
+    monkeypatch.setattr(session, "open_session", open_session)
+    monkeypatch.setattr(session, "_first_run", first_run)
+    session.start_early(load_config(None, ["run.device=cuda"]))
+    (started,) = session._started.values()
+    assert not started.opening.done()  # start_early came back while the opening waits
+    release.set()
+    started.first_run.result(timeout=10)
+    session.drop_started()
+    assert started.opening.result() == session.Early(1234, "the session")
+    assert seen["stream"] is seen["open"] is started.thread is not threading.current_thread()
+    assert seen["run"] == (started.thread, session.Early(1234, "the session"))
+
+
 def test_an_early_session_no_engine_takes_is_stopped_and_let_go():
     """drop_started (after from_config's engine, and when the command ends): a session start_early
     left is removed, its first run's terminate flag set (ORT ends a run between its nodes) and the
@@ -407,7 +443,8 @@ def test_an_early_session_no_engine_takes_is_stopped_and_let_go():
         return "stopped"
 
     first_run = executor.submit(run_until_terminated)
-    session._started[("key",)] = session.Started(0, executor, thread, None, first_run, options)
+    opening = executor.submit(lambda: None)
+    session._started[("key",)] = session.Started(executor, thread, opening, first_run, options)
     session.drop_started()
     assert not session._started and options.terminate
     assert first_run.done() and first_run.result() == "stopped" and not thread.is_alive()
@@ -430,11 +467,11 @@ def test_a_session_started_early_is_taken_over_with_its_first_run():
     early = Detector.from_config(config)
     assert not session._started
     assert started.first_run.done() and started.first_run.exception() is None
-    engine = early.engine
-    assert engine.session is started.opened.session and engine._executor is started.executor
-    assert engine.stream.cuda_stream == started.stream
+    engine, opened = early.engine, started.opening.result()
+    assert engine.session is opened.opened.session and engine._executor is started.executor
+    assert engine.stream.cuda_stream == opened.stream
     plain = Detector.from_config(config)
-    assert plain.engine.stream.cuda_stream != started.stream
+    assert plain.engine.stream.cuda_stream != opened.stream
 
     def found(detector):
         return [(r.path, r.boxes_xyxy.round(1).tolist(), r.scores.round(3).tolist()) for r in detector.run(SAMPLES)]
@@ -444,4 +481,4 @@ def test_a_session_started_early_is_taken_over_with_its_first_run():
     # Asked for other options, the engine opens its own session and the early one is let go.
     session.start_early(config)
     other = Detector.from_config(dataclasses.replace(config, run=dataclasses.replace(config.run, batch_size=16)))
-    assert not session._started and other.engine.stream.cuda_stream != started.stream
+    assert not session._started and other.engine.stream.cuda_stream != opened.stream
