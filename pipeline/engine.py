@@ -98,11 +98,19 @@ class Engine:
         started = device.is_cuda and take_started(session_key(
             self.model_path, device.index, input_size_hw=input_size_hw, batch_size=batch_size,
             cuda_options=self.cuda_options, cuda_graph=cuda_graph))
-        early = started.opening.result() if started else None  # the opening, before the first run it started
+        try:
+            early = started.opening.result() if started else None  # the opening, before the first run it started
+        except BaseException:  # interrupted while waiting: the run is stopped, as drop_started would stop it
+            started.run_options.terminate = True
+            started.executor.shutdown(wait=False)
+            raise
         if started and early is None:  # it could not open: this engine opens its own and meets the reason
             started.executor.shutdown(wait=True)
         # self.stream: ORT's compute stream on a GPU (module docstring); the CUDA-graph input copy goes on it too.
         if early:  # opened by session.start_early, its first run under way on what becomes this engine's thread
+            # This thread works on the engine's GPU from here, as opening the session on it would
+            # have made it: the postprocess's graph captures take the current device's streams.
+            torch.cuda.set_device(device.torch)
             self.stream = torch.cuda.ExternalStream(early.stream, device=device.torch)
             self._executor, self._thread = started.executor, started.thread
             opened, self._first_run = early.opened, started.first_run

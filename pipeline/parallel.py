@@ -84,8 +84,9 @@ def _worker(todo: list[ImageRef], shard: str, config: Config, output_format: str
     def run() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         # SIGINT and SIGTERM stay held, as the parent held them when it started this process, while
-        # the model's session opens with its first run on the GPU (session.start_early); detect_into
-        # holds them again while torch, DALI and Triton load beside that run.
+        # session.start_early starts the engine's thread (which opens the model's session and makes
+        # its first run on the GPU, and so never takes them); detect_into holds them again while
+        # torch, DALI and Triton load beside that work.
         from .session import started_early
 
         with started_early(config):

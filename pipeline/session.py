@@ -8,8 +8,8 @@ A session's first run on a GPU costs seconds, once per session (docs/BENCHMARKS.
 model's first run"), and the imports before it (torch, DALI, Triton) cost seconds more, with the
 GIL held. `start_early` opens the session a config asks for before those imports, on a CUDA
 stream of its own, and then runs it once, both on the thread that will be the engine's: the CUDA
-runtime and ORT release the GIL for the context, the session and the run, so they overlap the
-imports. Engine takes that session, thread and stream over when it is built for the same model,
+context, most of the session's opening and the run are C++ that releases the GIL, so they overlap
+the imports. Engine takes that session, thread and stream over when it is built for the same model,
 device and options (`take_started`); otherwise nothing is taken and Engine opens its own.
 """
 
@@ -302,7 +302,7 @@ def start_early(config: Config) -> None:
     try:
         index = 0 if run.device in ("auto", "cuda") else int(run.device.removeprefix("cuda:"))
         args = engine_arguments(config, on_gpu=True)
-    except Exception as e:  # ConfigError, ModelError: Detector.from_config reports them
+    except Exception as e:  # ConfigError, ModelError, ValueError (cuda:N): Detector.from_config reports them
         log.debug("no early start of the session: %s", e)
         return
     if not has_driver():
@@ -311,6 +311,8 @@ def start_early(config: Config) -> None:
     executor = ThreadPoolExecutor(1, thread_name_prefix="gpudet-engine")
     thread = executor.submit(threading.current_thread).result()
     run_options = ort.RunOptions()
+    if args["cuda_graph"]:
+        run_options.add_run_config_entry("gpu_graph_id", "-1")  # run, neither capture nor replay
     opening = executor.submit(_open_early, index, args)
     first_run = executor.submit(_first_run, opening, index, run.batch_size, args["input_size_hw"], scalars,
                                 run_options)
@@ -337,8 +339,6 @@ def _first_run(opening: Future, index: int, batch_size: int, input_size_hw, scal
     if early is None:
         return
     opened = early.opened
-    if opened.cuda_graph:
-        options.add_run_config_entry("gpu_graph_id", "-1")  # run, neither capture nor replay
     image = opened.image_input
     shape = image.batch_shape(image.batch or batch_size, input_size_hw)
     binding = opened.session.io_binding()
@@ -354,7 +354,9 @@ def new_stream(index: int) -> int | None:
     """A non-blocking CUDA stream on cuda:`index` (torch's own streams are so), made through the
     CUDA runtime that onnxruntime loaded, without torch; None if that runtime or a driver is not
     found. The calling thread's current device becomes cuda:`index`, as the session's opening on
-    it makes it anyway (going back to the device before would make a context on cuda:0)."""
+    it makes it anyway (going back to the device before would make a context on cuda:0):
+    start_early calls it on the engine's thread, and Engine then sets the device of the thread
+    that built it."""
     if not has_driver():
         return None
     ort.preload_dlls()

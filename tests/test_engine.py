@@ -407,11 +407,14 @@ def test_start_early_leaves_the_opening_to_the_engine_thread(monkeypatch):
     monkeypatch.setattr(session, "open_session", open_session)
     monkeypatch.setattr(session, "_first_run", first_run)
     session.start_early(load_config(None, ["run.device=cuda"]))
-    (started,) = session._started.values()
-    assert not started.opening.done()  # start_early came back while the opening waits
-    release.set()
-    started.first_run.result(timeout=10)
-    session.drop_started()
+    try:
+        (started,) = session._started.values()
+        assert not started.opening.done()  # start_early came back while the opening waits
+        release.set()
+        started.first_run.result(timeout=10)
+    finally:
+        release.set()
+        session.drop_started()
     assert started.opening.result() == session.Early(1234, "the session")
     assert seen["stream"] is seen["open"] is started.thread is not threading.current_thread()
     assert seen["run"] == (started.thread, session.Early(1234, "the session"))
