@@ -107,8 +107,15 @@ def merge_shards(folder: OutputFolder) -> None:
             folder.drop_shards()
 
 
-DECODER_NOISE = re.compile(r"libjpeg|libpng|_parser\]|Corrupt JPEG|Premature end of JPEG|JPEG datastream|"
-                           r"Unsupported marker|_decoder\]|\bTIFF[A-Z]\w*:|OpenCV TIFF")
+DECODER_NOISE = re.compile(
+    r"libjpeg|libpng|_parser\]|_decoder\]|\bTIFF[A-Z]\w*:|OpenCV TIFF|"
+    # libjpeg's messages about a file's data (its jerror.h), which it prints with no prefix
+    r"Corrupt JPEG|Premature end of (JPEG|input) file|JPEG datastream|Invalid JPEG file structure|Not a JPEG file|"
+    r"Unsupported JPEG|Empty JPEG image|Empty input file|JFIF revision|Unsupported marker|Invalid component ID|"
+    r"Bogus (Huffman|marker|sampling|JPEG colorspace|DAC|DHT|DQT)|(Huffman|Quantization|Arithmetic) table|"
+    r"Huffman code|Invalid SOS parameters|Inconsistent progression|Invalid progressive parameters|"
+    r"Sampling factors too large|DCT coefficient out of range|Too many color components|"
+    r"Maximum supported image dimension|Unknown Adobe color transform|more than one scan|Image too wide")
 """What image decoders print about a bad file: libjpeg's, libpng's and libtiff's lines (OpenCV's
 too), DALI's nvImageCodec parsers' and decoders' ([jpeg_parser], [png_parser], [..._decoder])."""
 
