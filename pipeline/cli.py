@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     detect = commands.add_parser("detect", parents=[common], help="detect objects in every image of SOURCE",
                                  description="SOURCE is a .txt file list (one path per line), a folder "
-                                             "(searched recursively) or a glob in quotes.")
+                                             "(searched recursively), a glob in quotes or one image file.")
     detect.add_argument("source", help="file list (.txt), folder, image file or glob")
     detect.add_argument("--out", required=True, help="output folder (detections.jsonl or detections.parquet/, "
                                                      "errors.jsonl, summary.json)")
@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "one detect ran in, from the output folder's summary.json)")
     draw.add_argument("--format", dest="image_format", choices=["jpg", "png", "webp"], default="jpg",
                       help="image format of the drawings (default jpg)")
+    for command in commands.choices.values():  # main's error for a word no command knows shows its usage
+        command.set_defaults(command_parser=command)
     return parser
 
 
@@ -364,7 +366,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     catch_signals()  # from the start: an interrupt during the imports ends as cleanly as one later
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # the command's usage, not gpudet's list of commands
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging(args.log_level, args.log_json, args.quiet)
     commands = {"detect": cmd_detect, "export-coco": cmd_export_coco, "eval": cmd_eval, "draw": cmd_draw,

@@ -82,7 +82,7 @@ def cuda_placement(model_path: Path, size_hw: tuple[int, int] | None, *, device_
 def inspect_model(path: str | Path, *, size_hw: tuple[int, int] | None = (640, 640)) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise ModelError(f"{path} does not exist")
+        raise ModelError(f"{path}: no such file; give the path of an ONNX model file")
     check_external_data(path)
     model = onnx.load(str(path), load_external_data=False)
     inputs, outputs = declared_io(path)

@@ -102,6 +102,13 @@ def test_usage_and_config_errors_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["detect", str(SAMPLES)])  # --out missing
     assert info.value.code == 2
+    capsys.readouterr()
+    for wrong in (["--frobnicate"], ["extra_source"]):  # named with the command's usage, not gpudet's
+        with pytest.raises(SystemExit) as info:
+            main(["detect", str(SAMPLES), "--out", str(tmp_path), *wrong])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.startswith("usage: gpudet detect ") and \
+            f"gpudet detect: error: unrecognized arguments: {wrong[0]}" in err, err
 
 
 def test_a_run_that_writes_nothing_leaves_no_folder_it_made(tmp_path, capsys):
