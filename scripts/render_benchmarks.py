@@ -36,6 +36,7 @@ def retinaface_table() -> str:
             ("the default, with the postprocess's Triton kernels", "retinaface_default_4"),
             ("the default, the kernels compiled while the rest sets up", "retinaface_default_5"),
             ("the default, the model's first run beside the imports (two passes)", "retinaface_default_6"),
+            ("the default, the session opened on the engine's thread", "retinaface_default_7"),
             ("the default with `postprocess.compile=true`", "retinaface_default_compiled"),
             ("`retinaface_mnet025_e2e.yaml` (NMS in the ONNX graph)", "retinaface_e2e"),
             ("before: its default (the end-to-end model)", "before_retinaface_default"),
@@ -52,23 +53,25 @@ def retinaface_table() -> str:
                      f"{num(rates['model'])} | {num(rates['preprocess'])} | {num(rates.get('naive', 0), 1)} | "
                      f"{r['gpudet_stages_s']['gpu_utilisation_percent']:.0f}% |")
     r = load("retinaface_default")
+    dates = sorted({load(name)["date"][:10] for _, name in rows})
     lines.append("")
     lines.append(f"3,796 JPEGs, batch 32, {r['machine']['gpus'][0]}, {r['machine']['cores']} cores; torch "
                  f"{r['machine']['torch']}, onnxruntime {r['machine']['onnxruntime']}, DALI {r['machine']['dali']}; "
-                 f"{r['date'][:10]}. Command: `{shorten(r['command'])}` (`--config` per row; `--set` as the row "
+                 f"{dates[0]} to {dates[-1]}. Command: `{shorten(r['command'])}` (`--config` per row; `--set` as the row "
                  "says). The naive loop: PIL, numpy, `session.run` one image at a time, ORT's default options, "
                  "the same model file (float16 for the default, float32 for the others), the first 300 images.")
     return "\n".join(lines)
 
 
 DETECT_RUNS = ("detect_106288_default", "detect_106288_default_2", "detect_106288_default_3", "detect_106288_default_4",
-               "detect_106288_default_5", "detect_106288_default_6")
+               "detect_106288_default_5", "detect_106288_default_6", "detect_106288_default_7")
 """The default command over 106,288 images, oldest first: the last is the README's."""
 
 
 def detect_table() -> str:
     lines = ["| tree | images | wall clock from the command | of it: imports | setup | then | detections |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
+    dates = sorted({load(name)["started"][:10] for name in DETECT_RUNS})
     for name in DETECT_RUNS:
         s = load(name)
         seconds = s["seconds"]
@@ -77,7 +80,7 @@ def detect_table() -> str:
                      f"{num(s['detections'])} |")
     return "\n".join(lines + [
         "", f"`gpudet detect LIST --out DIR --overwrite` (the default config, no other option), the 3,796 JPEGs "
-        f"listed 28 times, {s['device']}, {s['started'][:10]}; each row right after that tree's `gpudet bench` in "
+        f"listed 28 times, {s['device']}, {dates[0]} to {dates[-1]}; each row right after that tree's `gpudet bench` in "
         "the same machine session (`scripts/gpu_check.sh retinaface`), but 4024a8d's, right after "
         "`scripts/gpu_check.sh retinanet`."])
 
