@@ -156,7 +156,8 @@ def cmd_detect(args: argparse.Namespace) -> int:
     if args.workers is not None and args.ray is None:
         raise ConfigError("--workers is the number of --ray actors; without --ray, use --devices for several "
                           "devices of this host")
-    overrides = args.overrides + option_overrides(model=args.model, device=args.device, batch_size=args.batch_size)
+    overrides = args.overrides + option_overrides(model=args.model, device=args.device, batch_size=args.batch_size,
+                                                  cli=True)
     config = load_config(args.config, overrides, origin="--set")
     if args.devices is None and args.ray is None:  # --devices workers start their own (parallel._worker)
         with signals_held():
@@ -343,7 +344,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .config import load_config, option_overrides
 
-    overrides = args.overrides + option_overrides(device=args.device, batch_size=args.batch_size)
+    overrides = args.overrides + option_overrides(device=args.device, batch_size=args.batch_size, cli=True)
     config = load_config(args.config, overrides, origin="--set")
     report_file = output_file(args.json, "--json") if args.json else None
     with signals_held():

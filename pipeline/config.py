@@ -16,6 +16,7 @@ import math
 import numbers
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -263,7 +264,10 @@ def _apply(sections: dict[str, dict[str, Any]], values: dict[str, Any], origin: 
         for key, value in body.items():
             if key not in hints:
                 raise ConfigError(f"{origin}: unknown key {section}.{key}; known: {', '.join(hints)}")
-            sections[section][key] = _coerce(f"{section}.{key}", value, hints[key])
+            try:
+                sections[section][key] = _coerce(f"{section}.{key}", value, hints[key])
+            except ConfigError as e:
+                raise ConfigError(f"{origin}: {e}") from None
 
 
 def parse_override(text: str, origin: str = "overrides") -> dict[str, Any]:
@@ -289,21 +293,28 @@ def _data_dir(name: str) -> Path:
     return installed if installed.is_dir() else package.parent / name
 
 
-def option_overrides(*, model: str | None = None, device: str | None = None,
-                     batch_size: int | None = None) -> list[str]:
+def option_overrides(*, model: str | None = None, device: str | None = None, batch_size: int | None = None,
+                     cli: bool = False) -> list[tuple[str, str]]:
     """The `--set` overrides that the --model, --device and --batch-size options stand for (the
-    API's from_config keywords too, so a wrong type is refused here, not parsed into a right one)."""
+    API's from_config keywords too, so a wrong type is refused here, not parsed into a right one),
+    each paired with the option as the user gave it (cli: `--batch-size 0`, else `batch_size=0`),
+    which load_config's errors name."""
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)):
         raise ConfigError(f"batch_size={batch_size!r}: give a whole number of images, e.g. batch_size=32")
     if device is not None and not isinstance(device, str):
         raise ConfigError(f"device={device!r}: give one of 'auto', 'cpu', 'cuda', 'cuda:N'")
+
+    def said(name: str, value) -> str:
+        return f"--{name.replace('_', '-')} {value}" if cli else f"{name}={value!r}"
+
     overrides = []
     if model is not None:
-        overrides += [f"model.path={json.dumps(str(model))}", "model.cpu_path=null"]
+        overrides += [(said("model", model), f"model.path={json.dumps(str(model))}"),
+                      (said("model", model), "model.cpu_path=null")]
     if device is not None:
-        overrides.append(f"run.device={device}")
+        overrides.append((said("device", device), f"run.device={device}"))
     if batch_size is not None:
-        overrides.append(f"run.batch_size={batch_size}")
+        overrides.append((said("batch_size", batch_size), f"run.batch_size={batch_size}"))
     return overrides
 
 
@@ -336,9 +347,12 @@ def config_file(text: str | Path | None) -> Path:
                       f"ships: {names}")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), *, origin: str = "overrides") -> Config:
+def load_config(path: str | Path | None = None, overrides: Iterable[str | tuple[str, str]] = (), *,
+                origin: str = "overrides") -> Config:
     """Load a YAML config (default: the embedded RetinaFace one), apply overrides, validate.
-    origin: what errors call the overrides (the API's overrides; the CLI's --set)."""
+    overrides: 'section.key=value' strings, or (what the user wrote, 'section.key=value') pairs, as
+    for the CLI's --batch-size; an error about a key an override set names that override: origin
+    and the string (origin: the API's overrides, the CLI's --set), or what the user wrote."""
     path = config_file(path)
     try:
         values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
@@ -352,10 +366,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, or
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     _apply(sections, values, str(path))
-    for text in overrides:
-        _apply(sections, parse_override(text, origin), f"{origin} {text}")
+    set_by: dict[str, str] = {}
+    for item in overrides:
+        said, text = item if isinstance(item, tuple) else (f"{origin} {item}", item)
+        values = parse_override(text, origin)
+        _apply(sections, values, said)
+        [(section, body)] = values.items()
+        set_by[f"{section}.{next(iter(body))}"] = said
     config = Config(**{name: kind(**sections[name]) for name, kind in SECTIONS.items()}, source_file=str(path))
-    config.validate()
+    try:
+        config.validate()
+    except ConfigError as e:
+        key = str(e).split(":", 1)[0]
+        if key in set_by:
+            raise ConfigError(f"{set_by[key]}: {e}") from None
+        raise
     return config
 
 

@@ -93,6 +93,12 @@ def test_bad_images_are_recorded_and_the_job_goes_on(tmp_path):
 def test_usage_and_config_errors_exit_2(tmp_path, capsys):
     assert detect(SAMPLES, "--out", tmp_path, "--set", "run.batch_sise=3") == 2
     assert "--set run.batch_sise" in capsys.readouterr().err  # named as the command line takes it
+    # a value a key refuses is named by the option that gave it, then the key
+    assert detect(SAMPLES, "--out", tmp_path, "--set", "postprocess.score_threshold=abc") == 2
+    assert "--set postprocess.score_threshold=abc: postprocess.score_threshold: expected float" in \
+        capsys.readouterr().err
+    assert detect(SAMPLES, "--out", tmp_path, "--batch-size", "0") == 2
+    assert "--batch-size 0: run.batch_size: must be in 1..4096" in capsys.readouterr().err
     assert detect(SAMPLES, "--out", tmp_path, "--model", tmp_path / "none.onnx") == 2
     assert "none.onnx" in capsys.readouterr().err
     assert detect(tmp_path / "no_such_dir", "--out", tmp_path) == 2

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from pipeline.config import ConfigError, load_config, resolve_model_path
@@ -52,6 +54,26 @@ def test_set_overrides_any_key_with_types_checked(tmp_path):
         load_config(None, ["run.batch_size"])
     with pytest.raises(ConfigError, match="run.batch_size"):
         load_config(None, ["run.batch_size=many"])
+
+
+def test_an_error_names_the_override_or_file_that_set_the_key(tmp_path):
+    """A value a key refuses, by its type or by the config's checks, is named by the override
+    that gave it (as the user wrote it), or by the file; the key follows."""
+    from pipeline import Detector
+
+    cases = [(lambda: load_config(None, ["run.batch_size=0"], origin="--set"), "--set run.batch_size=0: run.batch_size: "),
+             (lambda: load_config(None, ["run.batch_size=0", "run.batch_size=2", "preprocess.size=[0, 9]"]),
+              r"overrides preprocess.size=\[0, 9\]: preprocess.size: needs"),
+             (lambda: load_config(None, [("--batch-size 0", "run.batch_size=0")]), "--batch-size 0: run.batch_size: "),
+             (lambda: Detector.from_config(batch_size=0), "batch_size=0: run.batch_size: must be in"),
+             (lambda: Detector.from_config(overrides=["postprocess.iou_threshold=x"]),
+              "overrides postprocess.iou_threshold=x: postprocess.iou_threshold: expected float"),
+             (lambda: load_config(write(tmp_path, "run:\n  batch_size: many\n")),
+              re.escape(f"{tmp_path / 'c.yaml'}: run.batch_size: expected int"))]
+    for make, match in cases:
+        with pytest.raises(ConfigError, match="^" + match):
+            make()
+    assert load_config(None, ["run.batch_size=0", "run.batch_size=2"]).run.batch_size == 2  # the last one decides
 
 
 def test_int_is_accepted_for_float_but_bool_is_not_an_int(tmp_path):
