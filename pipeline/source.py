@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import glob as globlib
+import io
 import logging
 import os
 import stat
@@ -328,7 +329,39 @@ def checked_bytes(item: EncodedImage, max_pixels: int = 0) -> EncodedImage | Ima
         return ImageError(ref.index, ref.path, "truncated",
                           "png ends before its last chunk (IEND): the file was cut short, e.g. by an interrupted "
                           "download or copy; fetch or copy it again")
+    if kind == "jpeg2000":
+        return decoded_jpeg2000(EncodedImage(ref, data, size[0] * size[1]))
     return EncodedImage(ref, data, size[0] * size[1])
+
+
+def decoded_jpeg2000(item: EncodedImage) -> PixelImage | ImageError:
+    """A JPEG 2000 file decoded here, by Pillow (OpenJPEG), on the reading thread; DALI gets its
+    pixels. DALI's own JPEG 2000 decoding (OpenCV's OpenJPEG on the CPU, its fallback on a GPU)
+    can crash the process (SIGSEGV) on a corrupt file after another corrupt one, which no error
+    record could then report; Pillow raises an error instead."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(item.data)) as image:
+            return PixelImage(item.ref, pil_pixels(image))
+    except Exception as e:  # the file's own fault, whatever Pillow's decoder raises (OSError, ValueError, ...)
+        return ImageError(item.ref.index, item.ref.path, "decode_failed",
+                          f"cannot decode (jpeg2000): {str(e)[:300] or type(e).__name__}; the file is corrupt or "
+                          "truncated: copy or fetch it again, or re-encode it")
+
+
+def pil_pixels(image) -> np.ndarray:
+    """A PIL image's pixels as uint8 RGB [H, W, 3], loaded now (a lazily opened image raises here,
+    OSError or ValueError, when its data cannot be read). 16-bit ones (modes "I;16", "I") are
+    scaled to 8 bits as DALI's decoder scales a 16-bit file: PIL's own convert("RGB") clips them,
+    turning an image almost white. Grey, palette, CMYK and alpha go through convert("RGB") (alpha
+    dropped, as the decoder drops it)."""
+    image.load()
+    if image.mode == "I" or image.mode.startswith("I;16"):
+        values = np.clip(np.asarray(image).astype(np.int64), 0, 65535)
+        grey = ((values * 255 + 32767) // 65535).astype(np.uint8)
+        return np.ascontiguousarray(np.repeat(grey[:, :, None], 3, axis=2))
+    return np.asarray(image.convert("RGB"))
 
 
 @dataclass(frozen=True)
@@ -366,7 +399,14 @@ def as_item(value: object, index: int) -> Item | ImageError:
         return EncodedImage(ImageRef(index, f"<bytes {index}>"), np.frombuffer(data, dtype=np.uint8))
     module = type(value).__module__.split(".")[0]
     if module == "PIL":
-        return PixelImage(ImageRef(index, f"<PIL image {index}>"), np.asarray(value.convert("RGB")))
+        ref = ImageRef(index, f"<PIL image {index}>")
+        try:
+            pixels = pil_pixels(value)
+        except Exception as e:  # a lazily opened image whose file is truncated, corrupt or closed
+            what = str(e)[:300] or type(e).__name__
+            return ImageError(index, ref.path, "decode_failed", f"PIL cannot load this image: {what}; pass its "
+                                                                "file's path or bytes instead, or fix the file")
+        return _pixels(ref, pixels, True, on_device=False)
     if isinstance(value, np.ndarray):
         ref = ImageRef(index, f"<array {index}>")
         if value.dtype == np.uint8 and value.ndim == 1:
@@ -390,6 +430,9 @@ def as_item(value: object, index: int) -> Item | ImageError:
 
 
 def _pixels(ref: ImageRef, value, rgb: bool, *, on_device: bool) -> PixelImage | ImageError:
+    if rgb and 0 in value.shape[:2]:
+        return ImageError(ref.index, ref.path, "bad_array", f"an empty image ({value.shape[0]}x{value.shape[1]} "
+                                                            "pixels): pass an image at least 1x1")
     if not rgb or str(value.dtype) not in ("uint8", "torch.uint8") or 0 in value.shape:
         return ImageError(ref.index, ref.path, "bad_array", f"{tuple(value.shape)} {value.dtype} pixels: pass uint8 "
                                                             "RGB as [H, W, 3] (a torch tensor also [3, H, W])")

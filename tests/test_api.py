@@ -84,6 +84,33 @@ def test_images_in_memory_are_taken_as_they_are_given(tmp_path):
     assert all(len(e.message) < 200 for e in errors.values())
 
 
+def test_pil_images_that_cannot_load_or_are_16_bit_or_empty(tmp_path):
+    """A PIL image is loaded when the detector takes it: one whose file is cut short, or closed,
+    is an ImageError in its place (the images around it still found); a 16-bit one is scaled to 8
+    bits as the decoder scales its file, so it finds the face its file does; an empty one is named."""
+    import PIL.Image
+
+    detector = Detector.from_config(device="cpu", batch_size=4)
+    hopper = SAMPLES / "grace_hopper.jpg"
+    data = hopper.read_bytes()
+    (tmp_path / "cut.jpg").write_bytes(data[:len(data) // 2])
+    closed = PIL.Image.open(hopper)
+    closed.close()
+    grey16 = np.asarray(PIL.Image.open(hopper).convert("L")).astype(np.uint16) * 257
+    PIL.Image.fromarray(grey16).save(tmp_path / "grey16.png")
+    opened16 = PIL.Image.open(tmp_path / "grey16.png")
+    assert opened16.mode.startswith("I")  # what PIL's own convert("RGB") clips to almost white
+    given = [PIL.Image.open(hopper), PIL.Image.open(tmp_path / "cut.jpg"), closed, opened16,
+             PIL.Image.new("RGB", (0, 0)), str(tmp_path / "grey16.png")]
+    results = list(detector.run(given))
+    assert [type(r).__name__ for r in results] == ["ImageResult", "ImageError", "ImageError", "ImageResult",
+                                                   "ImageError", "ImageResult"]
+    assert [results[i].reason for i in (1, 2, 4)] == ["decode_failed", "decode_failed", "bad_array"]
+    assert "PIL cannot load this image" in results[1].message and "empty image (0x0" in results[4].message
+    assert len(results[3].scores) == len(results[5].scores) == 1
+    assert np.abs(results[3].boxes_xyxy - results[5].boxes_xyxy).max() < 3
+
+
 def test_thresholds_per_call_and_a_read_only_config():
     import dataclasses
 

@@ -54,6 +54,38 @@ def test_a_fifo_and_a_device_in_the_list_are_refused_without_hanging(tmp_path):
     assert reasons == {str(tmp_path / "f.jpg"): "not_a_file", "/dev/zero": "not_a_file"}
 
 
+def test_corrupt_jpeg2000_files_are_recorded_and_the_job_goes_on(tmp_path):
+    """JPEG 2000 files cut short or with bytes changed, one after another: each is a decode_failed
+    record and the good images around them are found (DALI's own JPEG 2000 decoder could end the
+    process with SIGSEGV on such a pair; gpudet decodes JPEG 2000 with Pillow)."""
+    import PIL.Image
+
+    good = tmp_path / "good.jp2"
+    PIL.Image.open(SAMPLES / "astronaut.png").convert("RGB").save(good)
+    data = good.read_bytes()
+    rng = random.Random(7)
+    names = []
+    for pct in (3, 30, 70, 97):
+        names.append(f"cut{pct}.jp2")
+        (tmp_path / names[-1]).write_bytes(data[:len(data) * pct // 100])
+    for j in range(4):
+        changed = bytearray(data)
+        for _ in range(20):
+            changed[rng.randrange(8, 4096 if j < 2 else len(data))] = rng.randrange(256)
+        names.append(f"flip{j}.jp2")
+        (tmp_path / names[-1]).write_bytes(bytes(changed))
+    listing = tmp_path / "l.txt"
+    listing.write_text("\n".join(names[:4] + ["good.jp2"] + names[4:] + [str(SAMPLES / "china.jpg")]) + "\n")
+    run = gpudet("detect", listing, "--out", tmp_path / "o", "--device", "cpu", "--batch-size", "2")
+    assert run.returncode == 3, (run.returncode, run.stderr[-2000:])
+    found = {r["index"]: r for r in read_jsonl(tmp_path / "o" / "detections.jsonl")}
+    failed = {e["index"]: e for e in read_jsonl(tmp_path / "o" / "errors.jsonl")}
+    assert sorted([*found, *failed]) == list(range(10))
+    assert {0, 1, 2, 3} <= set(failed) and {4, 9} <= set(found)  # cut short: never an image; good ones found
+    assert len(found[4]["detections"]) == 1 and (found[4]["width"], found[4]["height"]) == (512, 512)
+    assert all(e["reason"] == "decode_failed" and "jpeg2000" in e["message"] for e in failed.values())
+
+
 def slow_list(tmp_path: Path, count: int = 400) -> Path:
     listing = tmp_path / "slow.txt"
     listing.write_text("".join(f"{SAMPLES / 'grace_hopper.jpg'}\n" for _ in range(count)))
