@@ -43,6 +43,7 @@ def recorded_already(folder: OutputFolder, config: Config, *, source: str, image
     session.start_early opened beside the listing is let go when the command ends)."""
     started = datetime.now(timezone.utc)
     startup_s, t0 = process_seconds(), time.perf_counter()
+    folder.started()
     merge_shards(folder)
     summary = folder.write_summary(
         source=source, images=images, todo=0, device=config.run.device,

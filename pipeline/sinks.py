@@ -519,6 +519,11 @@ def setting_changes(before: dict, now: dict) -> list[str]:
     return changed + [f"{key}: new, {json.dumps(value)}" for key, value in new.items() if key not in old]
 
 
+def empty_file(path: Path) -> None:
+    """Truncate a records file to nothing (never through a symbolic link)."""
+    os.close(open_for_writing(path, os.O_TRUNC))
+
+
 def write_json_atomic(path: Path, value: Any) -> None:
     """Written beside `path`, then renamed over it: a reader sees the old file or the new one."""
     tmp = path.with_name(path.name + ".tmp")
@@ -598,6 +603,9 @@ class OutputFolder:
         self.resume, self.overwrite, self.retry_failed = resume, overwrite, retry_failed
         self.tally = Tally()
         self._writers: tuple[JsonlWriter | ParquetWriter, JsonlWriter] | None = None
+        self._changes: list[Callable[[], None]] = []
+        """What `begin` accepted and `started` does to the folder's files (a run refused or stopped
+        before it starts leaves them as they were)."""
         self._made = make_folder(self.path)
         """This run made the folder: if it ends before it started (refused, or its model does not
         load), close() removes the folder again, so that no empty --out is left behind."""
@@ -608,8 +616,13 @@ class OutputFolder:
 
     def started(self) -> None:
         """From here on the folder stays, whatever stops the run: its records are being written
-        (writing() calls this), or workers write into its shards (--devices, --ray)."""
+        (writing() calls this), or workers write into its shards (--devices, --ray). What `begin`
+        accepted is done to the folder's files now: --overwrite's removal, --retry-failed's
+        emptied errors.jsonl, the earlier summary gone, settings.json written."""
         self._made = False
+        changes, self._changes = self._changes, []
+        for change in changes:
+            change()
 
     def close(self) -> None:
         """Release the folder for another run. A folder this run made and never started (started())
@@ -651,38 +664,33 @@ class OutputFolder:
     def begin(self, refs: list[ImageRef], settings: dict | None = None) -> list[ImageRef]:
         """Start a run over `refs`: the images it must process. A run refused here (results without
         --resume, another format, another source, other `settings`: Config.result_settings, kept
-        in settings.json by the run that started the folder's records) changes nothing; once it is
-        accepted the earlier run's summary.json goes, before anything is written, so that a summary
-        always describes the run that wrote it, whatever stops this one.
+        in settings.json by the run that started the folder's records) changes nothing, and
+        neither does one accepted here that stops before `started` (its detector cannot be built,
+        an interrupt during setup): what it would change is done there, before anything is
+        written, so that a summary always describes the run that wrote it.
         Records in the shards count as this folder's; --overwrite removes them with the files (of
         either format); retry_failed empties every errors.jsonl, so that those images are
         processed again. The images recorded as failed before count in `tally.failed_before`
         (and in the exit code)."""
+        kept = self.path / self.SETTINGS
+        if self.overwrite:  # nothing recorded counts
+            self._changes = [self._clear]
+            if settings is not None:
+                self._changes.append(functools.partial(write_json_atomic, kept, settings))
+            return list(refs)
         parquet = self.path / DETECTIONS["parquet"]
-        if self.overwrite:
-            shutil.rmtree(self.path / SHARDS, ignore_errors=True)
-            if parquet.is_dir():
-                shutil.rmtree(parquet)
-            elif parquet.exists():
-                parquet.unlink()
-            if self.format != "jsonl":
-                (self.path / DETECTIONS["jsonl"]).unlink(missing_ok=True)
-            for path in self.files:
-                if path.is_file():
-                    os.close(open_for_writing(path, os.O_TRUNC))
         if parquet.exists() and not parquet.is_dir():
             raise OutputError(f"{parquet} is not a folder gpudet wrote; remove it, or use --overwrite")
         folders = [self.path, *self.shards]
         other = next((name for name in FORMATS if name != self.format), None)
         written = [f / DETECTIONS[other] for f in folders if holds_results(f / DETECTIONS[other])]
-        if written and not self.overwrite:
+        if written:
             raise OutputError(f"{written[0]} holds results in {other}; give --format {other} to continue that run, "
                               "or --overwrite to start again")
         existing = [p for f in folders for p in result_paths(f, self.format) if holds_results(p)]
         if existing and not self.resume:
             raise OutputError(f"{existing[0]} already holds results; pass --resume to process only the images "
                               "not yet recorded there, or --overwrite to start again")
-        kept = self.path / self.SETTINGS
         if existing and settings is not None and kept.is_file():
             try:
                 before = json.loads(kept.read_text())
@@ -698,16 +706,30 @@ class OutputFolder:
                                   "--config, --model and --set to continue them, or --overwrite to start again")
         processed, failed = recorded(existing, refs)
         failed -= processed
-        (self.path / "summary.json").unlink(missing_ok=True)  # accepted: the old summary is no longer this folder's
+        # accepted: the old summary is no longer this folder's
+        self._changes = [functools.partial((self.path / "summary.json").unlink, missing_ok=True)]
         if settings is not None and not (existing and kept.is_file()):
-            write_json_atomic(kept, settings)
+            self._changes.append(functools.partial(write_json_atomic, kept, settings))
         if self.retry_failed:  # checked to be this source's above; processed again from here
-            for path in existing:
-                if path.name == ERRORS:
-                    os.close(open_for_writing(path, os.O_TRUNC))
+            self._changes += [functools.partial(empty_file, path) for path in existing if path.name == ERRORS]
             failed = set()
         self.tally.failed_before = len(failed)
         return [r for r in refs if r.index not in processed and r.index not in failed]
+
+    def _clear(self) -> None:
+        """--overwrite: every record of the folder and its shards gone, in either format."""
+        shutil.rmtree(self.path / SHARDS, ignore_errors=True)
+        parquet = self.path / DETECTIONS["parquet"]
+        if parquet.is_dir():
+            shutil.rmtree(parquet)
+        elif parquet.exists():
+            parquet.unlink()
+        if self.format != "jsonl":
+            (self.path / DETECTIONS["jsonl"]).unlink(missing_ok=True)
+        for path in self.files:
+            if path.is_file():
+                empty_file(path)
+        (self.path / "summary.json").unlink(missing_ok=True)
 
     @contextmanager
     def writing(self) -> Iterator[OutputFolder]:

@@ -86,6 +86,26 @@ def test_corrupt_jpeg2000_files_are_recorded_and_the_job_goes_on(tmp_path):
     assert all(e["reason"] == "decode_failed" and "jpeg2000" in e["message"] for e in failed.values())
 
 
+def test_a_run_accepted_then_stopped_before_it_starts_leaves_the_folder_as_it_was(tmp_path):
+    """--resume --retry-failed and --overwrite are accepted by the folder, then the detector is not
+    built (a device that is not there, a model file that is not ONNX): the records, errors.jsonl,
+    summary.json and settings.json stay as the run before left them, byte for byte."""
+    source = tmp_path / "img"
+    source.mkdir()
+    (source / "a.jpg").write_bytes((SAMPLES / "china.jpg").read_bytes())
+    (source / "b.jpg").write_bytes(b"")
+    out = tmp_path / "o"
+    assert gpudet("detect", source, "--out", out, "--device", "cpu").returncode == 3
+    files = ("detections.jsonl", "errors.jsonl", "summary.json", "settings.json")
+    before = {name: (out / name).read_bytes() for name in files}
+    (tmp_path / "bad.onnx").write_text("not a model")
+    for extra in (["--resume", "--retry-failed", "--device", "cuda:99"], ["--overwrite", "--device", "cuda:99"],
+                  ["--overwrite", "--model", tmp_path / "bad.onnx", "--device", "cpu"]):
+        one_clear_line(gpudet("detect", source, "--out", out, *extra), 2)
+        assert {name: (out / name).read_bytes() for name in files} == before, extra
+        assert sorted(p.name for p in out.iterdir()) == sorted([*files, ".gpudet.lock"])
+
+
 def slow_list(tmp_path: Path, count: int = 400) -> Path:
     listing = tmp_path / "slow.txt"
     listing.write_text("".join(f"{SAMPLES / 'grace_hopper.jpg'}\n" for _ in range(count)))
