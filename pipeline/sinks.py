@@ -452,10 +452,13 @@ def shard_folders(folder: Path) -> list[Path]:
 
 
 def written_format(folder: str | Path) -> str | None:
-    """The format (FORMATS) whose detections an output folder, or one of its shards, holds; None
-    if it holds none (or both, which OutputFolder refuses to continue without --format)."""
+    """The format (FORMATS) whose detections an output folder, or one of its shards, holds; where
+    none holds a record yet (a run stopped before its first Parquet file, with only errors.jsonl
+    written), the format whose detections file or folder a run made there; None if neither tells
+    (or both do, which OutputFolder refuses to continue without --format)."""
     folders = [Path(folder), *shard_folders(Path(folder))]
-    held = {name for name in FORMATS for f in folders if holds_results(f / DETECTIONS[name])}
+    held = {name for name in FORMATS for f in folders if holds_results(f / DETECTIONS[name])} or \
+        {name for name in FORMATS for f in folders if (f / DETECTIONS[name]).exists()}
     return held.pop() if len(held) == 1 else None
 
 

@@ -106,6 +106,23 @@ def test_a_run_accepted_then_stopped_before_it_starts_leaves_the_folder_as_it_wa
         assert sorted(p.name for p in out.iterdir()) == sorted([*files, ".gpudet.lock"])
 
 
+def test_resume_without_format_keeps_parquet_before_its_first_file(tmp_path):
+    """A Parquet run whose records so far are all failures (errors.jsonl only; its detections folder
+    made, empty, as after a kill before the first file): --resume without --format goes on in
+    Parquet, not JSONL beside it."""
+    (tmp_path / "empty.jpg").write_bytes(b"")
+    listing = tmp_path / "l.txt"
+    listing.write_text(f"{tmp_path / 'empty.jpg'}\n")
+    out = tmp_path / "o"
+    assert gpudet("detect", listing, "--out", out, "--format", "parquet", "--device", "cpu").returncode == 3
+    assert not list((out / "detections.parquet").iterdir())
+    listing.write_text(f"{tmp_path / 'empty.jpg'}\n{SAMPLES / 'china.jpg'}\n")
+    run = gpudet("detect", listing, "--out", out, "--resume", "--device", "cpu")
+    assert run.returncode == 3, run.stderr[-2000:]
+    assert not (out / "detections.jsonl").exists() and len(list((out / "detections.parquet").iterdir())) == 1
+    assert json.loads((out / "summary.json").read_text())["format"] == "parquet"
+
+
 def slow_list(tmp_path: Path, count: int = 400) -> Path:
     listing = tmp_path / "slow.txt"
     listing.write_text("".join(f"{SAMPLES / 'grace_hopper.jpg'}\n" for _ in range(count)))
