@@ -66,28 +66,44 @@ def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = N
     Listed paths are kept even if missing: they fail later with an error record, not silently.
     A source that lists no image at all is an error, so that a typo does not look like success."""
     text = os.fspath(source)
+    if not text:
+        raise SourceError("the source is empty (''; an unset shell variable?); give a file list (.txt), a folder, "
+                          "an image file or a glob in quotes")
     path = Path(text)
-    is_list = path.is_file() and path.suffix.lower() == ".txt"
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except PermissionError as e:
+        raise SourceError(f"source {text}: cannot look at it ({e.strerror}): a folder on its path cannot be read; "
+                          "give gpudet read access, or another source") from None
+    except (OSError, ValueError):  # a name too long, a loop of links, a NUL byte: none of the kinds below
+        mode = None
+    is_file, is_dir = mode is not None and stat.S_ISREG(mode), mode is not None and stat.S_ISDIR(mode)
+    is_list = is_file and path.suffix.lower() == ".txt"
     if root is not None and not is_list:
         raise SourceError(f"--root {os.fspath(root)} applies to a .txt file list's relative paths; {text} is not one: "
                           "leave --root out")
     if root is not None and not Path(root).is_dir():
         raise SourceError(f"--root {os.fspath(root)} is not a folder; give the folder that the list's relative "
                           "paths resolve against, or leave it out (they resolve against the list's folder)")
-    if path.is_dir():
-        found = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+    if is_dir:
+        refs = [ImageRef(i, str(p)) for i, p in enumerate(images_in(path))]
         what = f"folder {text} holds no image file ({', '.join(sorted(IMAGE_EXTENSIONS))}, searched recursively)"
-        refs = [ImageRef(i, str(p)) for i, p in enumerate(found)]
     elif is_list:
-        refs = read_list(path, Path(root) if root is not None else path.parent)
+        try:
+            refs = read_list(path, Path(root) if root is not None else path.parent)
+        except OSError as e:
+            raise SourceError(f"file list {text}: cannot read it ({e.strerror or e}); check its permissions and the "
+                              "disk it is on") from None
         what = f"file list {text} lists no path (blank lines and lines starting with # are skipped)"
-    elif path.is_file():
+    elif is_file:
         return [ImageRef(0, text)]
     elif any(c in text for c in "*?["):
         refs = [ImageRef(i, p) for i, p in enumerate(sorted(p for p in globlib.glob(text, recursive=True)
                                                             if os.path.isfile(p)))]
         what = f"glob {text!r} matches no file (quote it, so that the shell does not expand it first)"
-    elif not path.exists() and not path.is_symlink():
+    elif mode is None and not path.is_symlink():
         raise SourceError(f"source {text} does not exist; give a file list (.txt), a folder, an image file or a "
                           "glob in quotes")
     else:
@@ -96,6 +112,24 @@ def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = N
     if not refs:
         raise SourceError(f"{what}; check the source")
     return refs
+
+
+def images_in(folder: Path) -> list[Path]:
+    """The image files under `folder`, searched recursively (links to folders not followed), in
+    pathlib's sorted order. A folder inside it that cannot be read is named in a warning (the
+    images in it cannot be listed, so no record can say they were missed); `folder` itself
+    unreadable is an error."""
+    found: list[Path] = []
+    unreadable: list[OSError] = []
+    for top, _, names in os.walk(folder, onerror=unreadable.append):
+        found += [Path(top, name) for name in names if os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS]
+    for e in unreadable:
+        if os.fspath(e.filename) == os.fspath(folder):
+            raise SourceError(f"folder {folder}: cannot read it ({e.strerror}); give gpudet read access, or "
+                              "another source")
+        log.warning("%s: cannot read this folder (%s): the images in it are not listed and get no record; to "
+                    "detect them, give gpudet read access to it and run again", e.filename, e.strerror)
+    return sorted(p for p in found if p.is_file())
 
 
 def read_list(path: Path, base: Path) -> list[ImageRef]:
@@ -129,7 +163,10 @@ def resolved(base: str, text: str) -> str:
     pathlib would normalise (//, ./, a trailing /, ~) goes through it."""
     if text.startswith("~") or "//" in text or "/./" in text or text.startswith("./") or text.endswith(("/", "/.")) \
             or text == "." or base in (".", "") or base.endswith("/"):
-        item = Path(os.path.expanduser(text))  # pathlib's expanduser raises for an unknown user (~nobody)
+        try:
+            item = Path(os.path.expanduser(text))  # pathlib's expanduser raises for an unknown user (~nobody)
+        except ValueError:  # a NUL byte after the ~: the path is recorded as unreadable when it is read
+            item = Path(text)
         return str(item if item.is_absolute() else Path(base) / item)
     return text if text.startswith("/") else base + "/" + text
 

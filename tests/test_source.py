@@ -186,11 +186,12 @@ def test_a_list_line_with_a_nul_byte_is_an_unreadable_image_and_resume_reads_its
     from pipeline.cli import main
 
     listing = tmp_path / "list.txt"
-    listing.write_bytes(b"bad\x00name.jpg\n" + str(SAMPLES / "china.jpg").encode() + b"\n")
+    listing.write_bytes(b"bad\x00name.jpg\n~a\x00b.jpg\n" + str(SAMPLES / "china.jpg").encode() + b"\n")
     out = tmp_path / "out"
     assert main(["detect", str(listing), "--out", str(out), "--device", "cpu", "--quiet"]) == 3
-    (error,) = read_jsonl(out / "errors.jsonl")
+    error, home = read_jsonl(out / "errors.jsonl")
     assert error["reason"] == "unreadable" and "NUL" in error["message"] and error["path"].endswith("bad\x00name.jpg")
+    assert home["reason"] == "unreadable" and home["path"].endswith("~a\x00b.jpg")  # ~ followed by no user name
     assert main(["detect", str(listing), "--out", str(out), "--device", "cpu", "--quiet", "--resume"]) == 3
 
 
