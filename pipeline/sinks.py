@@ -82,8 +82,8 @@ def read_complete_records(path: Path) -> Iterator[dict]:
     A kill can only leave an unterminated last line (each batch is one write of whole lines);
     that tail is cut off the file first, so appending continues on a record boundary."""
     cut_torn_tail(path)
-    for line in iter_complete_lines(path):
-        yield parse_record(line)
+    for number, line in iter_complete_lines(path):
+        yield parse_record(line, path, number)
 
 
 def cut_torn_tail(path: Path) -> None:
@@ -107,26 +107,34 @@ def cut_torn_tail(path: Path) -> None:
             f.truncate(end)
 
 
-def parse_record(line: bytes) -> dict:
-    """One JSON line of ours; a file name that is not UTF-8 was written with \\udcXX escapes
-    (`jsonl`), which orjson refuses and the json module reads back."""
+def parse_record(line: bytes, path: Path, number: int) -> dict:
+    """One JSON line of ours, line `number` of `path`; a file name that is not UTF-8 was written
+    with \\udcXX escapes (`jsonl`), which orjson refuses and the json module reads back. A line
+    that is no JSON object (edited, or what a crash of the machine left) is an OutputError naming it."""
     try:
-        return orjson.loads(line)
+        record = orjson.loads(line)
     except orjson.JSONDecodeError:
-        return json.loads(line)
+        try:
+            record = json.loads(line)
+        except ValueError:  # not JSON; UnicodeDecodeError for NUL bytes
+            record = None
+    if not isinstance(record, dict):
+        raise OutputError(f"{path}: line {number} is not a record gpudet wrote ({line[:60]!r}); remove that line "
+                          "(its image is then detected again by --resume), or use --overwrite")
+    return record
 
 
-def iter_complete_lines(path: Path) -> Iterator[bytes]:
-    """The complete lines of a JSONL file, read as a stream (an unterminated last line, a kill's
-    torn write, is left out)."""
+def iter_complete_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of the complete lines of a JSONL file, read as a stream (an unterminated
+    last line, a kill's torn write, is left out; so are blank lines)."""
     try:
         f = open(path, "rb")
     except FileNotFoundError:
         return
     with f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if line.endswith(b"\n") and line.strip():
-                yield line
+                yield number, line
 
 
 class JsonlWriter:
@@ -794,8 +802,8 @@ class OutputFolder:
         try:
             block: list[bytes] = []
             for path in [self.path / name] + [shard / name for shard in shards]:
-                for line in iter_complete_lines(path):
-                    record = parse_record(line)
+                for number, line in iter_complete_lines(path):
+                    record = parse_record(line, path, number)
                     if record["index"] not in seen:
                         seen.add(record["index"])
                         count(record)

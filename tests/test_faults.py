@@ -180,6 +180,19 @@ def test_what_cannot_be_read_is_named_one_line_or_warned(unprivileged):
     assert [r["path"] for r in read_jsonl(folder / "o4" / "detections.jsonl")] == [str(folder / "imgs" / "a.jpg")]
 
 
+@pytest.mark.parametrize("damage", [b"this is not json\n", b"[1, 2]\n", b"\x00" * 64 + b"\n"],
+                         ids=["text", "not-an-object", "nul-bytes"])
+def test_resume_over_a_damaged_records_file_names_the_line(tmp_path, damage):
+    """A line of detections.jsonl that is no record (edited by hand, or NUL bytes a crash of the
+    machine left) stops --resume with one line naming the file and the line, exit 2."""
+    out = tmp_path / "o"
+    assert gpudet("detect", SAMPLES, "--out", out, "--device", "cpu").returncode == 0
+    lines = (out / "detections.jsonl").read_bytes().splitlines(keepends=True)
+    (out / "detections.jsonl").write_bytes(b"".join(lines[:2] + [damage] + lines[2:]))
+    one_clear_line(gpudet("detect", SAMPLES, "--out", out, "--resume", "--device", "cpu"), 2,
+                   "detections.jsonl: line 3 is not a record gpudet wrote", "remove that line")
+
+
 def slow_list(tmp_path: Path, count: int = 400) -> Path:
     listing = tmp_path / "slow.txt"
     listing.write_text("".join(f"{SAMPLES / 'grace_hopper.jpg'}\n" for _ in range(count)))
