@@ -466,6 +466,35 @@ def test_a_librarys_colour_codes_and_parser_lines_stay_off_the_log(tmp_path):
         ("WARNING", "library: something else")], done.stderr
 
 
+def test_what_the_decoders_print_about_corrupt_files_stays_off_the_terminal(tmp_path):
+    """PNG, TIFF, WebP, BMP and PNM files cut short or with bytes changed: OpenCV's and libtiff's
+    lines about them (which name no file: errors.jsonl does) are logged at debug, not printed as
+    warnings; every file is recorded once."""
+    import PIL.Image
+
+    image = PIL.Image.open(SAMPLES / "astronaut.png").convert("RGB")
+    rng = random.Random(3)
+    names = []
+    for ext in ("png", "tiff", "webp", "bmp", "ppm"):
+        image.save(tmp_path / f"good.{ext}")
+        data = (tmp_path / f"good.{ext}").read_bytes()
+        for pct in (30, 70, 97):
+            names.append(f"cut{pct}.{ext}")
+            (tmp_path / names[-1]).write_bytes(data[:len(data) * pct // 100])
+        for j in range(4):
+            changed = bytearray(data)
+            for _ in range(20):
+                changed[rng.randrange(8, 4096 if j < 2 else len(data))] = rng.randrange(256)
+            names.append(f"flip{j}.{ext}")
+            (tmp_path / names[-1]).write_bytes(bytes(changed))
+    listing = tmp_path / "l.txt"
+    listing.write_text("\n".join(names) + "\n")
+    run = gpudet("detect", listing, "--out", tmp_path / "o", "--device", "cpu", "--no-progress")
+    assert run.returncode == 3 and "WARNING" not in run.stderr, run.stderr[-3000:]
+    recorded = read_jsonl(tmp_path / "o" / "detections.jsonl") + read_jsonl(tmp_path / "o" / "errors.jsonl")
+    assert sorted(r["index"] for r in recorded) == list(range(len(names)))
+
+
 def test_a_reader_of_stderr_that_goes_away_does_not_hang_the_capture(tmp_path):
     """Under --log-json the libraries' stderr is read from a pipe and logged; when the real stderr
     breaks (its reader exited), a failed write must not be reported into that same pipe."""
