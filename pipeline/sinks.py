@@ -156,9 +156,16 @@ class JsonlWriter:
         self.write(jsonl(records), len(records))
 
     def write(self, lines: bytes, count: int) -> None:
-        """`count` records' whole lines, one write."""
+        """`count` records' whole lines, one write. A write that fails part way (the disk full, a
+        file size limit) is cut off again: the file ends on its last whole record."""
         if lines:
-            write_all(self._fd, lines, self.path)
+            end = os.lseek(self._fd, 0, os.SEEK_END)
+            try:
+                write_all(self._fd, lines, self.path)
+            except OutputWriteError:
+                with suppress(OSError):  # the write's own error is what the user sees
+                    os.ftruncate(self._fd, end)
+                raise
             self.count += count
 
     def __exit__(self, *exc) -> None:

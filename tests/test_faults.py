@@ -322,7 +322,9 @@ def test_a_closed_stdout_is_not_a_failure_of_the_run(tmp_path):
 
 
 def test_a_file_size_limit_is_exit_4_saying_so_and_resume_finishes(tmp_path):
-    """ulimit -f: the write fails with EFBIG (Python ignores SIGXFSZ); what was written stays whole."""
+    """ulimit -f: the write fails with EFBIG (Python ignores SIGXFSZ); what was written stays whole,
+    and the batch whose write failed leaves no part of a line (the file readable line by line as
+    it is left)."""
     listing = tmp_path / "list.txt"
     listing.write_text("".join(f"{p}\n" for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md") * 40)
     out = tmp_path / "o"
@@ -333,7 +335,8 @@ def test_a_file_size_limit_is_exit_4_saying_so_and_resume_finishes(tmp_path):
     run = gpudet("detect", listing, "--out", out, "--device", "cpu", "--batch-size", "8", preexec_fn=limit)
     one_clear_line(run, 4, "file size limit", "--resume")
     before = (out / "detections.jsonl").read_bytes()
-    assert 0 < len(before) <= 8000
+    assert 0 < len(before) <= 8000 and before.endswith(b"\n")
+    assert all(json.loads(line)["index"] >= 0 for line in before.splitlines())
     resumed = gpudet("detect", listing, "--out", out, "--device", "cpu", "--batch-size", "8", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == list(range(240))
