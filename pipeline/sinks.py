@@ -930,8 +930,10 @@ def recorded(paths: Iterable[Path], refs: list[ImageRef]) -> tuple[set[int], set
         for index, image in indexed_paths(path):
             expected = by_index.get(index)
             if expected is None or image != expected:
+                this = f"which has no image {index}" if expected is None else f"whose image {index} is {expected}"
                 raise OutputError(
-                    f"{path}: record {index} ({image}) is not image {index} of this source; resume with "
-                    "the same source (and --root), or use --overwrite")
+                    f"{path}: record {index} ({image}) is not of this source, {this}; resume with the source "
+                    "as the first run was given it, from the folder that run ran in (a relative path is recorded "
+                    "as it resolved from there), with the same --root; or use --overwrite")
             done.add(index)
     return processed, failed

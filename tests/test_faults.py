@@ -193,6 +193,21 @@ def test_resume_over_a_damaged_records_file_names_the_line(tmp_path, damage):
                    "detections.jsonl: line 3 is not a record gpudet wrote", "remove that line")
 
 
+def test_resume_with_another_source_is_refused_naming_both_paths(tmp_path):
+    """A list given by a relative path records its images' paths as they resolved from the folder
+    the run ran in: a --resume from elsewhere is refused, naming the recorded path and this
+    source's, and from the same folder it goes on."""
+    (tmp_path / "lists").mkdir()
+    (tmp_path / "lists" / "l.txt").write_text(f"../a.jpg\n{SAMPLES / 'china.jpg'}\n")
+    (tmp_path / "a.jpg").write_bytes((SAMPLES / "grace_hopper.jpg").read_bytes())
+    out = tmp_path / "o"
+    assert gpudet("detect", "lists/l.txt", "--out", out, "--device", "cpu", cwd=tmp_path).returncode == 0
+    one_clear_line(gpudet("detect", tmp_path / "lists" / "l.txt", "--out", out, "--device", "cpu", "--resume"), 2,
+                   "record 0 (lists/../a.jpg) is not of this source, whose image 0 is "
+                   f"{tmp_path / 'lists' / '../a.jpg'}", "from the folder that run ran in")
+    assert gpudet("detect", "lists/l.txt", "--out", out, "--device", "cpu", "--resume", cwd=tmp_path).returncode == 0
+
+
 def slow_list(tmp_path: Path, count: int = 400) -> Path:
     listing = tmp_path / "slow.txt"
     listing.write_text("".join(f"{SAMPLES / 'grace_hopper.jpg'}\n" for _ in range(count)))
