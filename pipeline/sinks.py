@@ -625,8 +625,9 @@ class OutputFolder:
         """What `begin` accepted and `started` does to the folder's files (a run refused or stopped
         before it starts leaves them as they were)."""
         self._made = make_folder(self.path)
-        """This run made the folder: if it ends before it started (refused, or its model does not
-        load), close() removes the folder again, so that no empty --out is left behind."""
+        """The folders this run made (--out and the parents it lacked): if it ends before it started
+        (refused, or its model does not load), close() removes them again, so that no empty --out
+        is left behind."""
         linked = [self.path / name for name in self.FILES if (self.path / name).is_symlink()]
         if linked:
             raise OutputError(f"{linked[0]} is a symbolic link; gpudet never writes through one: remove it")
@@ -637,15 +638,15 @@ class OutputFolder:
         (writing() calls this), or workers write into its shards (--devices, --ray). What `begin`
         accepted is done to the folder's files now: --overwrite's removal, --retry-failed's
         emptied errors.jsonl, the earlier summary gone, settings.json written."""
-        self._made = False
+        self._made = []
         changes, self._changes = self._changes, []
         for change in changes:
             change()
 
     def close(self) -> None:
         """Release the folder for another run. A folder this run made and never started (started())
-        goes again, with what __init__ and begin put there (the lock, settings.json); a file anyone
-        else put there keeps it."""
+        goes again, with the lock and the parents this run made; a file anyone else put there keeps
+        it."""
         if self._lock < 0:
             return
         try:
@@ -656,9 +657,9 @@ class OutputFolder:
         finally:
             os.close(self._lock)
             self._lock = -1
-        if self._made:
-            with suppress(OSError):  # not empty: someone else's file is there
-                self.path.rmdir()
+        with suppress(OSError):  # not empty: someone else's file is there
+            for folder in self._made:
+                folder.rmdir()
 
     def __enter__(self) -> OutputFolder:
         return self
@@ -882,17 +883,22 @@ class OutputFolder:
         return summary
 
 
-def make_folder(path: Path) -> bool:
-    """Make the --out folder `path` (and its parents) if it is not there; True if this call made
-    it. OutputError if it is a file or cannot be made."""
+def make_folder(path: Path) -> list[Path]:
+    """Make the --out folder `path` (and its parents) if it is not there; the folders this call
+    made, `path` first, then the parents it made (none: `path` was there). OutputError if it is a
+    file or cannot be made."""
+    missing, at = [], path
+    while not at.exists() and at != at.parent:
+        missing.append(at)
+        at = at.parent
     try:
         path.mkdir(parents=True)
-        return True
+        return missing
     except FileExistsError:
         if not path.is_dir():
             raise OutputError(f"--out {path} is a file, not a folder; give a folder gpudet may create and "
                               "write") from None
-        return False
+        return []
     except OSError as e:
         raise OutputError(f"--out {path} cannot be made: {e.strerror or e}; give a folder gpudet may create "
                           "and write") from None

@@ -104,6 +104,9 @@ def test_a_run_accepted_then_stopped_before_it_starts_leaves_the_folder_as_it_wa
         one_clear_line(gpudet("detect", source, "--out", out, *extra), 2)
         assert {name: (out / name).read_bytes() for name in files} == before, extra
         assert sorted(p.name for p in out.iterdir()) == sorted([*files, ".gpudet.lock"])
+    one_clear_line(gpudet("detect", source, "--out", tmp_path / "new" / "sub", "--model", tmp_path / "bad.onnx",
+                          "--device", "cpu"), 2)
+    assert not (tmp_path / "new").exists()  # the folders it made for a run that never started, gone again
 
 
 def test_resume_without_format_keeps_parquet_before_its_first_file(tmp_path):
