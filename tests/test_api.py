@@ -34,6 +34,20 @@ def test_run_yields_results_and_errors_per_image(tmp_path, device):
 
 
 @cpu_and_cuda()
+def test_a_jpeg2000_file_finds_what_its_png_finds(tmp_path, device):
+    """JPEG 2000 goes through Pillow, then DALI as decoded pixels, in a batch of its own between
+    the files around it: the same face as the lossless PNG it was saved from, in input order."""
+    import PIL.Image
+
+    PIL.Image.open(SAMPLES / "astronaut.png").convert("RGB").save(tmp_path / "a.jp2", irreversible=False)
+    paths = [str(SAMPLES / "grace_hopper.jpg"), str(tmp_path / "a.jp2"), str(SAMPLES / "astronaut.png")]
+    results = list(Detector.from_config(device=device, batch_size=4).run(paths))
+    assert [r.index for r in results] == [0, 1, 2] and all(isinstance(r, ImageResult) for r in results)
+    assert len(results[1].scores) == len(results[2].scores) == 1 and (results[1].width, results[1].height) == (512, 512)
+    assert np.abs(results[1].boxes_xyxy - results[2].boxes_xyxy).max() < 1
+
+
+@cpu_and_cuda()
 def test_stream_on_device_keeps_detections_on_the_device(device):
     detector = Detector.from_config(device=device, batch_size=8)
     batches = list(detector.stream(list_images(SAMPLES), on_error=lambda errors: None, on_device=True))
