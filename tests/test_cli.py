@@ -118,11 +118,12 @@ def test_usage_and_config_errors_exit_2(tmp_path, capsys):
 
 
 def test_a_run_that_writes_nothing_leaves_no_folder_it_made(tmp_path, capsys):
-    """A new --out whose run stops before any record (the model is not found) is removed again;
-    a folder that was there before stays, and so does one that holds records."""
+    """A new --out whose run stops before any record (the model is not found) is removed again,
+    with the parents the run made for it; a folder that was there before stays, and so does one
+    that holds records."""
     assert detect(SAMPLES, "--out", tmp_path / "new" / "out", "--model", tmp_path / "none.onnx") == 2
     assert "none.onnx" in capsys.readouterr().err
-    assert not (tmp_path / "new" / "out").exists() and (tmp_path / "new").is_dir()
+    assert not (tmp_path / "new").exists() and tmp_path.is_dir()
     (tmp_path / "mine").mkdir()
     assert detect(SAMPLES, "--out", tmp_path / "mine", "--model", tmp_path / "none.onnx") == 2
     assert (tmp_path / "mine").is_dir()
