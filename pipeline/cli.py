@@ -114,15 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     bench.add_argument("--batch-size", type=int, help="images per batch (overrides run.batch_size; default: the "
                                                       "config's)")
-    bench.add_argument("--limit", type=int, default=1000, help="use the first N images (default 1000)")
-    bench.add_argument("--iterations", type=int, default=20,
+    bench.add_argument("--limit", type=at_least(1), default=1000, help="use the first N images (default 1000)")
+    bench.add_argument("--iterations", type=at_least(1), default=20,
                        help="repeats of the model-only and DALI-only batch (default 20)")
-    bench.add_argument("--passes", type=int, default=1, metavar="N",
+    bench.add_argument("--passes", type=at_least(1), default=1, metavar="N",
                        help="time gpudet N times over the images and report the median pass (default 1)")
     bench.add_argument("--skip-naive", action="store_true", help="leave out the (slow) naive baseline")
-    bench.add_argument("--naive-limit", type=int, default=300, metavar="N",
+    bench.add_argument("--naive-limit", type=at_least(1), default=300, metavar="N",
                        help="run the naive baseline on the first N images (default 300)")
-    bench.add_argument("--latency", type=int, default=0, metavar="N",
+    bench.add_argument("--latency", type=at_least(0), default=0, metavar="N",
                        help="also time N images one at a time (batch 1): p50/p99 from file to detections "
                             "(default 0: not timed)")
     bench.add_argument("--format", dest="output_format", choices=OUTPUT_FORMATS, default="jsonl",

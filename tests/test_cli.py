@@ -115,6 +115,12 @@ def test_usage_and_config_errors_exit_2(tmp_path, capsys):
         err = capsys.readouterr().err
         assert info.value.code == 2 and err.startswith("usage: gpudet detect ") and \
             f"gpudet detect: error: unrecognized arguments: {wrong[0]}" in err, err
+    for option, value in (("--limit", "0"), ("--iterations", "0"), ("--passes", "0"), ("--naive-limit", "0"),
+                          ("--latency", "-1"), ("--limit", "-3")):  # counts gpudet bench cannot run with
+        with pytest.raises(SystemExit) as info:
+            main(["bench", str(SAMPLES), option, value])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and f"argument {option}: {value}: must be at least" in err, err
 
 
 def test_a_run_that_writes_nothing_leaves_no_folder_it_made(tmp_path, capsys):
