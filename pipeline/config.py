@@ -309,7 +309,11 @@ def option_overrides(*, model: str | None = None, device: str | None = None, bat
 
     overrides = []
     if model is not None:
-        overrides += [(said("model", model), f"model.path={json.dumps(str(model))}"),
+        # A relative path given here is the working directory's where it names a file there (a
+        # config's model.path looks beside the config first: model_candidates).
+        path = Path(model).expanduser()
+        text = str(Path.cwd() / path) if not path.is_absolute() and (Path.cwd() / path).is_file() else str(model)
+        overrides += [(said("model", model), f"model.path={json.dumps(text)}"),
                       (said("model", model), "model.cpu_path=null")]
     if device is not None:
         overrides.append((said("device", device), f"run.device={device}"))

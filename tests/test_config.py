@@ -96,6 +96,21 @@ def test_model_path_resolves_against_the_config_folder(tmp_path):
     assert resolve_model_path(config) == (tmp_path / "m.onnx").resolve()
 
 
+def test_a_model_option_resolves_against_the_working_folder_first(tmp_path, monkeypatch):
+    """--model (the API's model=) m.onnx with an m.onnx here and another beside the config: this
+    folder's, as a path typed on a command line means; the config's model.path m.onnx: the one
+    beside the config."""
+    from pipeline.config import option_overrides
+
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "m.onnx").write_bytes(b"beside the config")
+    (tmp_path / "m.onnx").write_bytes(b"here")
+    monkeypatch.chdir(tmp_path)
+    given = load_config(write(tmp_path / "cfg", "model:\n  path: m.onnx\n"), option_overrides(model="m.onnx"))
+    assert resolve_model_path(given) == (tmp_path / "m.onnx").resolve()
+    assert resolve_model_path(load_config(tmp_path / "cfg" / "c.yaml")) == (tmp_path / "cfg" / "m.onnx").resolve()
+
+
 @pytest.mark.parametrize("name, fused", [("retinanet_r50_coco", True), ("retinaface_mnet025", True),
                                          ("retinaface_mnet025_e2e", False), ("retinaface_mnet025_heads", False)])
 def test_only_the_configs_checked_on_a_gpu_ask_ort_to_fuse_the_conv_bias(name, fused):
