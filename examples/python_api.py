@@ -8,7 +8,7 @@ import argparse
 import json
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from pipeline import Detector, ImageError
 
@@ -22,20 +22,23 @@ def main() -> None:
     detector = Detector.from_config(device=args.device, batch_size=8)
 
     # 1. Per-image results on the host: numpy arrays in original pixels.
-    faces = 0
+    faces, first = 0, None
     for result in detector.run(args.source):
         if isinstance(result, ImageError):
             print(f"skipped {result.path}: {result.reason}")
             continue
         faces += len(result.scores)
+        first = first or result.path
         for box, score, name in zip(result.boxes_xyxy, result.scores, result.names):
             print(f"{result.path}: {name} {score:.3f} at {[round(float(v), 1) for v in box]}")
 
-    # 2. An image already in memory, with this call's own threshold; its record as JSON; drawn.
-    photo = np.asarray(Image.open("samples/astronaut.png").convert("RGB"))
-    (result,) = detector.run(photo, score_threshold=0.5)
-    print(json.dumps(result.to_dict())[:120], "...")
-    print(f"drawn: {result.draw(photo).size}")
+    # 2. An image already in memory (the source's first, upright as its EXIF says), with this
+    #    call's own threshold; its record as JSON; drawn.
+    if first is not None:
+        photo = np.asarray(ImageOps.exif_transpose(Image.open(first)).convert("RGB"))
+        (result,) = detector.run(photo, score_threshold=0.5)
+        print(json.dumps(result.to_dict())[:120], "...")
+        print(f"drawn: {result.draw(photo).size}")
 
     # 3. Detections as torch tensors on the device, for work that continues there: no host copy.
     for result in detector.run(args.source, on_device=True):

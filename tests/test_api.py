@@ -62,9 +62,10 @@ def test_stream_on_device_keeps_detections_on_the_device(device):
 
 
 @cpu_and_cuda()
-def test_the_documented_example_runs(device):
-    run = subprocess.run([sys.executable, "examples/python_api.py", "samples", "--device", device], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+def test_the_documented_example_runs(device, tmp_path):
+    """examples/python_api.py on a SOURCE given from another folder: every step reads that source."""
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "python_api.py"), str(SAMPLES), "--device", device],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.count(": face ") == 3 and f"3 faces on {device}" in run.stdout
 
