@@ -279,6 +279,9 @@ def none_annotated(matched: set[int], unmatched: int, args: argparse.Namespace) 
     if unmatched and not matched:
         raise ConfigError(f"no image of {args.detections} ({counted(unmatched, 'image')}) is in {args.annotations} "
                           "(matched by file name); pass the annotation file of the images that run detected")
+    if not unmatched and not matched:
+        raise ConfigError(f"{args.detections} holds no record of a processed image (its run failed on every image, "
+                          "or has not written any yet: see its errors.jsonl); nothing to score")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -77,6 +77,17 @@ def test_eval_of_wrong_boxes_and_of_no_detections(labelled):
     assert evaluate(gt, []) == dict.fromkeys(evaluate(gt, []), 0.0)
 
 
+def test_eval_of_a_run_that_recorded_no_processed_image_is_refused(labelled, tmp_path, capsys):
+    """An output folder whose detections file holds no record (every image failed): exit 2 and
+    one line saying so, not metrics of 0."""
+    (tmp_path / "bad.jpg").write_bytes(b"")
+    assert main(["detect", str(tmp_path / "bad.jpg"), "--out", str(tmp_path / "o"), "--device", "cpu",
+                 "--quiet"]) == 3
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "o"), "--annotations", str(labelled / "gt.json")]) == 2
+    assert "holds no record of a processed image" in capsys.readouterr().err
+
+
 def test_unknown_category_and_unmatched_images(labelled, tmp_path):
     gt = {"images": [{"id": 1, "file_name": "x/a.jpg"}], "categories": [{"id": 1, "name": "cat"}]}
     records = [{"path": "/data/x/a.jpg", "detections": [{"name": "face", "box": [0, 0, 1, 1], "score": 0.9}]}]
