@@ -98,6 +98,9 @@ def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = N
                               "disk it is on") from None
         what = f"file list {text} lists no path (blank lines and lines starting with # are skipped)"
     elif is_file:
+        if looks_like_a_list(path):
+            raise SourceError(f"source {text} holds text, not an image: a file list's name must end in .txt "
+                              f"(rename it {path.with_suffix('.txt').name})")
         return [ImageRef(0, text)]
     elif any(c in text for c in "*?["):
         refs = [ImageRef(i, p) for i, p in enumerate(sorted(p for p in globlib.glob(text, recursive=True)
@@ -112,6 +115,26 @@ def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = N
     if not refs:
         raise SourceError(f"{what}; check the source")
     return refs
+
+
+def looks_like_a_list(path: Path) -> bool:
+    """A file given as one image, not named as one, that starts with no image signature and with a
+    line of UTF-8 text: a file list named other than .txt."""
+    if path.suffix.lower() in IMAGE_EXTENSIONS:
+        return False  # an image file that is not one: its record says so
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False  # read again, and reported, as the image
+    first = head.split(b"\n", 1)[0].removeprefix(codecs.BOM_UTF8).strip()
+    if not first or sniff_format(head[:16]) is not None or b"\x00" in head:
+        return False
+    try:
+        first.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def images_in(folder: Path) -> list[Path]:

@@ -132,6 +132,18 @@ def test_an_empty_source_is_refused_not_taken_as_this_folder(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_file_list_not_named_txt_is_named_before_any_setup(tmp_path):
+    """A text file of paths named paths.lst, given as the source: one line saying a list's name
+    ends in .txt (it was taken as one image, recorded as unknown_format after the model's setup);
+    a text file named .jpg is still an image that fails, with its record."""
+    (tmp_path / "paths.lst").write_text(f"{SAMPLES / 'china.jpg'}\n")
+    one_clear_line(gpudet("detect", tmp_path / "paths.lst", "--out", tmp_path / "o", "--device", "cpu"), 2,
+                   "holds text, not an image", "rename it paths.txt")
+    (tmp_path / "t.jpg").write_text("not an image\n")
+    run = gpudet("detect", tmp_path / "t.jpg", "--out", tmp_path / "j", "--device", "cpu")
+    assert run.returncode == 3 and read_jsonl(tmp_path / "j" / "errors.jsonl")[0]["reason"] == "unknown_format"
+
+
 @pytest.fixture
 def unprivileged(tmp_path_factory):
     """(a folder this test's unprivileged user can reach, the command prefix that runs as that
