@@ -98,6 +98,11 @@ class Detector:
         contract = detect_contract(engine.outputs, m.contract, engine.model_path)
         landmarks = landmark_points(engine.outputs, m.landmarks, engine.model_path)
         image = engine.image_input
+        if image.size_hw is not None and tuple(image.size_hw) != tuple(p.size):  # the records would name p.size
+            h, w = image.size_hw
+            raise ConfigError(f"preprocess.size {list(p.size)}: {engine.model_path.name} takes {h}x{w} images only "
+                              f"(its input size is fixed); set preprocess.size=[{h},{w}] (--set "
+                              f"preprocess.size=[{h},{w}]), or export the model for the size you want")
         height, width = image.size_hw or tuple(p.size)
         check_memory(target, batch_size=config.run.batch_size, height=height, width=width,
                      value_bytes=2 if image.dtype == "float16" else 4, batches=r.prefetch_batches + r.pipeline_depth)

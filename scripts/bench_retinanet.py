@@ -88,7 +88,7 @@ def export_models(out: Path, model: torch.nn.Module, shift: float, batch: int, s
     return files
 
 
-def gpudet_rows(paths_file: str, files: dict[str, Path], batch: int, log) -> dict:
+def gpudet_rows(paths_file: str, files: dict[str, Path], batch: int, size_hw: tuple[int, int], log) -> dict:
     """gpudet end to end under the load and the two bounds, and ORT alone on the same model."""
     refs = list_images(paths_file)
     results = {}
@@ -96,8 +96,8 @@ def gpudet_rows(paths_file: str, files: dict[str, Path], batch: int, log) -> dic
                                    ("gpudet, zero-load bound (no detection survives)", "heads_fp16_zero", []),
                                    ("gpudet, heavy-NMS bound (score 0: 300 per image)", "heads_fp16_load",
                                     ["postprocess.score_threshold=0.0"])]:
-        config = load_config(CONFIG, [f"model.path={files[model]}", f"run.device={DEVICE}",
-                                      f"run.batch_size={batch}", *overrides])
+        config = load_config(CONFIG, [f"model.path={files[model]}", f"run.device={DEVICE}", f"run.batch_size={batch}",
+                                      f"preprocess.size={list(size_hw)}", *overrides])
         start = time.perf_counter()
         detector = Detector.from_config(config)
         list(detector.stream(refs[:batch], lambda errors: None))  # the first batch: DALI's and the decoder's start
@@ -274,10 +274,11 @@ def pytorch_usual(paths: list[str], model: torch.nn.Module, batch: int, size_hw:
     return {"pytorch usual (DataLoader + PIL workers, eager fp16)": result}
 
 
-def naive(paths_file: str, files: dict[str, Path], count: int, log) -> dict:
+def naive(paths_file: str, files: dict[str, Path], count: int, size_hw: tuple[int, int], log) -> dict:
     refs = list_images(paths_file)[:count]
     config = load_config(CONFIG, [f"model.path={files['e2e_fp32_load']}", f"run.device={DEVICE}", "run.batch_size=1",
-                                  "run.prefer_nhwc=false", "run.fuse_conv_bias=false"])
+                                  f"preprocess.size={list(size_hw)}", "run.prefer_nhwc=false",
+                                  "run.fuse_conv_bias=false"])
     rate = naive_images_per_s(refs, Detector.from_config(config))
     log(f"naive: {rate:.2f} img/s")
     return {"naive (PIL + numpy + session.run, fp32, batch 1)": {"images_per_s": round(rate, 2), "images": count}}
@@ -321,11 +322,11 @@ def main() -> None:
               "results": {},
               "machine": machine(), "gpudet": code_version(),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv)}
-    sections = {"gpudet": lambda: gpudet_rows(str(listed), files, a.batch_size, log),
+    sections = {"gpudet": lambda: gpudet_rows(str(listed), files, a.batch_size, size_hw, log),
                 "torch": lambda: torch_eager(model, a.batch_size, size_hw, log),
                 "strong": lambda: pytorch_strong(paths, model, a.batch_size, size_hw, a.workers, log),
                 "usual": lambda: pytorch_usual(paths, model, a.batch_size, size_hw, a.workers, log),
-                "naive": lambda: naive(str(listed), files, a.naive_limit, log)}
+                "naive": lambda: naive(str(listed), files, a.naive_limit, size_hw, log)}
     for name in a.only:
         report["results"].update(sections[name]())
         report_path.write_text(json.dumps(report, indent=2) + "\n")

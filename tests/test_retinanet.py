@@ -34,6 +34,7 @@ from pipeline.source import list_images  # noqa: E402
 SIZE = (512, 512)
 BATCH = 4
 CONFIG = ROOT / "configs" / "retinanet_r50_coco.yaml"
+AT_SIZE = [f"preprocess.size=[{SIZE[0]},{SIZE[1]}]"]  # the config's is 800x800; the models here take SIZE
 THRESHOLDS = dict(score_threshold=0.05, iou_threshold=0.5, max_detections=300)
 
 
@@ -255,7 +256,7 @@ def detect(model_path: Path, device: str, out: Path, *settings: str) -> dict[str
     weights turn TF32's ~1e-3 into box shifts of pixels); {file name: detections}."""
     subprocess.run([sys.executable, "-m", "pipeline", "detect", str(SAMPLES), "--config", str(CONFIG),
                     "--model", str(model_path), "--device", device, "--out", str(out), "--quiet",
-                    "--set", "run.tf32=false", *settings], check=True)
+                    "--set", "run.tf32=false", "--set", AT_SIZE[0], *settings], check=True)
     return {Path(r["path"]).name: r["detections"] for r in read_jsonl(out / "detections.jsonl")}
 
 
@@ -319,7 +320,9 @@ def test_the_pipeline_runs_without_torchvision(exported, tmp_path):
     """torchvision is an export-time need only: block its import and run the heads model."""
     code = (f"import sys; sys.modules['torchvision'] = None\n"
             f"from pipeline import Detector\n"
-            f"d = Detector.from_config({str(CONFIG)!r}, model={str(exported['retinanet_heads'])!r}, device='cpu')\n"
+            f"d = Detector.from_config({str(CONFIG)!r}, overrides={AT_SIZE!r}, "
+            f"model={str(exported['retinanet_heads'])!r}, "
+            "device='cpu')\n"
             f"print(sum(len(r.scores) for r in d.run({str(SAMPLES / 'china.jpg')!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
@@ -341,11 +344,23 @@ def test_a_heads_model_without_its_anchor_layout_is_refused(exported, tmp_path):
     bare = tmp_path / "bare.onnx"
     onnx.save(proto, str(bare))
     with pytest.raises(Exception, match="gpudet.retinanet.*export_retinanet.py"):
-        Detector.from_config(CONFIG, model=bare, device="cpu")
+        Detector.from_config(CONFIG, overrides=AT_SIZE, model=bare, device="cpu")
+
+
+def test_a_size_the_model_does_not_take_is_refused_naming_its_size(exported):
+    """A model whose input size is fixed runs only at that size: a config that says another is
+    refused with the size to set, not run at the model's while the records' settings name the
+    config's."""
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"preprocess.size \[800, 800\]: .* takes 512x512 images only .*"
+                                          r"--set preprocess.size=\[512,512\]"):
+        Detector.from_config(CONFIG, model=exported["retinanet_heads"], device="cpu")
 
 
 def test_a_static_batch_model_sets_the_batch_size(exported):
-    detector = Detector.from_config(CONFIG, model=exported["end_to_end"], device="cpu", batch_size=16)
+    detector = Detector.from_config(CONFIG, overrides=AT_SIZE, model=exported["end_to_end"], device="cpu",
+                                    batch_size=16)
     assert detector.config.run.batch_size == BATCH and detector.contract == "end_to_end"
     assert detector.preprocessor.pad_partial_batches
 
@@ -358,7 +373,7 @@ def test_heads_buffers_are_reused_and_postprocess_copies_only_the_final_detectio
     from test_engine import dtoh_copies
     from torch.profiler import ProfilerActivity, profile
 
-    detector = Detector.from_config(CONFIG, model=exported["retinanet_heads"], device="cuda")
+    detector = Detector.from_config(CONFIG, overrides=AT_SIZE, model=exported["retinanet_heads"], device="cuda")
     assert len(detector.postprocess.graphs._graphs) == 2  # captured at setup, one per output slot
     engine_launch, written = detector.engine.launch, []
 
@@ -456,7 +471,8 @@ def test_gpudet_bench_on_a_static_batch_model(exported, tmp_path, capsys):
 
     report_path = tmp_path / "bench.json"
     assert main(["bench", str(SAMPLES), "--config", str(CONFIG), "--set", f"model.path={exported['retinanet_heads']}",
-                 "--device", "cpu", "--iterations", "1", "--latency", "2", "--json", str(report_path)]) == 0
+                 "--set", AT_SIZE[0], "--device", "cpu", "--iterations", "1", "--latency", "2",
+                 "--json", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
     assert report["batch_size"] == BATCH and report["contract"] == "retinanet_heads"
     assert "naive" not in report["images_per_s"] and "batches of exactly 4" in report["skipped"]["naive"]
