@@ -98,7 +98,13 @@ def _worker(todo: list[ImageRef], shard: str, config: Config, output_format: str
             with OutputFolder(shard, output_format=output_format, resume=True, flush_s=2.0) as folder:
                 return detect_into(folder, todo, config, source=source, images=images, progress=False).exit_code
 
-    sys.exit(guarded(run))
+    def quiet_when_stopped() -> int:
+        try:
+            return run()
+        except KeyboardInterrupt:  # stopped by the parent during setup: the parent says so, once
+            return EXIT_INTERRUPTED
+
+    sys.exit(guarded(quiet_when_stopped))
 
 
 @dataclass

@@ -11,13 +11,14 @@ import logging
 import re
 import sys
 import time
+from contextlib import suppress
 from datetime import datetime, timezone
 from pathlib import Path
 
 from .config import Config
 from .errors import last_record_written, signals_held, stderr_into_log
 from .results import ImageError, ImageRef
-from .sinks import OutputFolder, RunResult
+from .sinks import SHARDS, OutputFolder, RunResult
 from .source import list_images
 from .timing import StageClock, process_seconds
 
@@ -106,6 +107,9 @@ def merge_shards(folder: OutputFolder) -> None:
         folder.merge()
         if not folder.tally.interrupted:
             folder.drop_shards()
+    else:  # the shards folder of a --devices run stopped before its workers wrote: nothing to keep
+        with suppress(OSError):
+            (folder.path / SHARDS).rmdir()
 
 
 DECODER_NOISE = re.compile(

@@ -15,7 +15,7 @@ from pipeline.device import DeviceError
 from pipeline.parallel import parse_devices
 from pipeline.sinks import OutputFolder
 
-from conftest import SAMPLES, cuda_usable, read_jsonl, read_results
+from conftest import EXPECTED_FACES, SAMPLES, cuda_usable, read_jsonl, read_results
 
 
 def by_index(path):
@@ -235,7 +235,9 @@ def test_a_worker_logs_as_its_parent():
 
 def test_sigterm_while_the_workers_import_ends_cleanly(tmp_path):
     """SIGTERM to the parent as soon as its workers exist, while they still load torch, DALI and
-    ORT: they hold the signal until their handlers are in place, then stop; exit 130, no traceback."""
+    ORT: they hold the signal until their handlers are in place, then stop; exit 130, no traceback,
+    one line saying so (the parent's, not one per worker). A --resume in one process finishes and
+    leaves no shards folder."""
     import subprocess
     import sys
 
@@ -251,6 +253,10 @@ def test_sigterm_while_the_workers_import_ends_cleanly(tmp_path):
     assert process.returncode == 130 and "Traceback" not in err, (process.returncode, err[-2000:])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] and all(w["exit_code"] in (0, 130) for w in summary["workers"]), summary
+    assert [line for line in err.splitlines() if "interrupted" in line] == [
+        "gpudet: ERROR: interrupted; results so far are complete; continue with --resume"], err[-2000:]
+    assert main(["detect", str(SAMPLES), "--out", str(out), "--resume", "--quiet"]) == 0
+    assert len(read_jsonl(out / "detections.jsonl")) == len(EXPECTED_FACES) and not (out / "shards").exists()
 
 
 def test_a_file_name_that_is_not_utf8_is_merged(tmp_path):
