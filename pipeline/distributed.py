@@ -181,8 +181,9 @@ def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str
         folder.merge(lambda row: folder.tally.count(row) if row.index in owned else None)
         elapsed = time.perf_counter() - started
         missing = len(todo) - folder.tally.processed - folder.tally.failed
+        actors = f"{workers} actor" + ("" if workers == 1 else "s")
         summary = folder.write_summary(
-            source=str(source), images=len(refs), todo=len(todo), device=f"ray ({workers} actors)",
+            source=str(source), images=len(refs), todo=len(todo), device=f"ray ({actors})",
             # stream: from the first image an actor took to the last row back, the rate once the actors run
             seconds={"total": elapsed, "stream": streaming}, loop_seconds=streaming or elapsed, started=started_at,
             model=model,

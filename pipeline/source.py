@@ -446,9 +446,9 @@ Item = ImageRef | EncodedImage | PixelImage
 def as_item(value: object, index: int) -> Item | ImageError:
     """A value a caller passed as an image: a path (str, os.PathLike), encoded bytes (bytes,
     bytearray, memoryview, or a 1-D uint8 numpy array or CPU tensor, as torchvision.io.read_file
-    gives), a decoded RGB image (a PIL image, a numpy uint8 [H, W, 3] array, a torch uint8 tensor
-    [H, W, 3] or [3, H, W] on the CPU or a GPU). Its record's path is the path, or a label such as
-    "<array 3>"; never the data.
+    gives), a decoded RGB image (a PIL image, a numpy uint8 [H, W, 3] array or grey [H, W], a torch
+    uint8 tensor [H, W, 3] or [3, H, W] on the CPU or a GPU). Its record's path is the path, or a
+    label such as "<array 3>"; never the data.
 
     What is read from the caller's memory is copied (bytes are immutable and taken as they are):
     the stream reads ahead, and a caller may reuse a buffer for the next image."""
@@ -471,6 +471,8 @@ def as_item(value: object, index: int) -> Item | ImageError:
         ref = ImageRef(index, f"<array {index}>")
         if value.dtype == np.uint8 and value.ndim == 1:
             return EncodedImage(ref, np.array(value, order="C"))
+        if value.dtype == np.uint8 and value.ndim == 2:  # grey [H, W], as PIL's mode "L" gives it
+            value = np.repeat(value[:, :, None], 3, axis=2)
         return _pixels(ref, value, value.ndim == 3 and value.shape[-1] == 3, on_device=False)
     if module == "torch":
         ref = ImageRef(index, f"<tensor {index}>")

@@ -124,6 +124,9 @@ def test_pil_images_that_cannot_load_or_are_16_bit_or_empty(tmp_path):
     assert "PIL cannot load this image" in results[1].message and "empty image (0x0" in results[4].message
     assert len(results[3].scores) == len(results[5].scores) == 1
     assert np.abs(results[3].boxes_xyxy - results[5].boxes_xyxy).max() < 3
+    grey = np.asarray(PIL.Image.open(hopper).convert("L"))  # a grey numpy array, as PIL's "L" image is taken
+    as_array, as_pil = detector.run([grey, PIL.Image.fromarray(grey)])
+    assert len(as_array.scores) == len(as_pil.scores) == 1 and np.allclose(as_array.boxes_xyxy, as_pil.boxes_xyxy)
 
 
 def test_thresholds_per_call_and_a_read_only_config():
