@@ -54,6 +54,23 @@ def test_a_fifo_and_a_device_in_the_list_are_refused_without_hanging(tmp_path):
     assert reasons == {str(tmp_path / "f.jpg"): "not_a_file", "/dev/zero": "not_a_file"}
 
 
+def damaged_copies(good: Path, rng: random.Random, *, cuts: tuple[int, ...]) -> list[str]:
+    """Copies of an image file beside it, cut short at each percentage of `cuts`, and four with 20
+    bytes changed (two within the first 4 KB, the headers; two anywhere); their names, in order."""
+    data, ext = good.read_bytes(), good.suffix
+    names = []
+    for pct in cuts:
+        names.append(f"cut{pct}{ext}")
+        (good.parent / names[-1]).write_bytes(data[:len(data) * pct // 100])
+    for j in range(4):
+        changed = bytearray(data)
+        for _ in range(20):
+            changed[rng.randrange(8, 4096 if j < 2 else len(data))] = rng.randrange(256)
+        names.append(f"flip{j}{ext}")
+        (good.parent / names[-1]).write_bytes(bytes(changed))
+    return names
+
+
 def test_corrupt_jpeg2000_files_are_recorded_and_the_job_goes_on(tmp_path):
     """JPEG 2000 files cut short or with bytes changed, one after another: each is a decode_failed
     record and the good images around them are found (DALI's own JPEG 2000 decoder could end the
@@ -62,18 +79,7 @@ def test_corrupt_jpeg2000_files_are_recorded_and_the_job_goes_on(tmp_path):
 
     good = tmp_path / "good.jp2"
     PIL.Image.open(SAMPLES / "astronaut.png").convert("RGB").save(good)
-    data = good.read_bytes()
-    rng = random.Random(7)
-    names = []
-    for pct in (3, 30, 70, 97):
-        names.append(f"cut{pct}.jp2")
-        (tmp_path / names[-1]).write_bytes(data[:len(data) * pct // 100])
-    for j in range(4):
-        changed = bytearray(data)
-        for _ in range(20):
-            changed[rng.randrange(8, 4096 if j < 2 else len(data))] = rng.randrange(256)
-        names.append(f"flip{j}.jp2")
-        (tmp_path / names[-1]).write_bytes(bytes(changed))
+    names = damaged_copies(good, random.Random(7), cuts=(3, 30, 70, 97))
     listing = tmp_path / "l.txt"
     listing.write_text("\n".join(names[:4] + ["good.jp2"] + names[4:] + [str(SAMPLES / "china.jpg")]) + "\n")
     run = gpudet("detect", listing, "--out", tmp_path / "o", "--device", "cpu", "--batch-size", "2")
@@ -510,16 +516,7 @@ def test_what_the_decoders_print_about_corrupt_files_stays_off_the_terminal(tmp_
     names = []
     for ext in ("png", "tiff", "webp", "bmp", "ppm"):
         image.save(tmp_path / f"good.{ext}")
-        data = (tmp_path / f"good.{ext}").read_bytes()
-        for pct in (30, 70, 97):
-            names.append(f"cut{pct}.{ext}")
-            (tmp_path / names[-1]).write_bytes(data[:len(data) * pct // 100])
-        for j in range(4):
-            changed = bytearray(data)
-            for _ in range(20):
-                changed[rng.randrange(8, 4096 if j < 2 else len(data))] = rng.randrange(256)
-            names.append(f"flip{j}.{ext}")
-            (tmp_path / names[-1]).write_bytes(bytes(changed))
+        names += damaged_copies(tmp_path / f"good.{ext}", rng, cuts=(30, 70, 97))
     listing = tmp_path / "l.txt"
     listing.write_text("\n".join(names) + "\n")
     run = gpudet("detect", listing, "--out", tmp_path / "o", "--device", "cpu", "--no-progress")
