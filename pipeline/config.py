@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import numbers
+import os
 import types
 import typing
 from collections.abc import Iterable
@@ -311,7 +312,7 @@ def option_overrides(*, model: str | None = None, device: str | None = None, bat
     if model is not None:
         # A relative path given here is the working directory's where it names a file there (a
         # config's model.path looks beside the config first: model_candidates).
-        path = Path(model).expanduser()
+        path = Path(os.path.expanduser(model))  # pathlib's expanduser raises for an unknown user (~nobody)
         text = str(Path.cwd() / path) if not path.is_absolute() and (Path.cwd() / path).is_file() else str(model)
         overrides += [(said("model", model), f"model.path={json.dumps(text)}"),
                       (said("model", model), "model.cpu_path=null")]
@@ -391,7 +392,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str | tuple[
 def model_candidates(text: str, config_dir: Path | None = None) -> list[Path]:
     """Where a model file named `text` is looked for, in order: itself if absolute; else beside the
     config (config_dir), in the working directory and, for a bare file name, in gpudet's models/."""
-    given = Path(text).expanduser()
+    given = Path(os.path.expanduser(text))
     if given.is_absolute():
         return [given]
     candidates = [config_dir / given] if config_dir else []

@@ -129,6 +129,13 @@ def run_on_devices(source: str, out_dir: str | Path, config: Config, devices: li
                    progress: bool | None = None, output_format: str = "jsonl", resume: bool = False,
                    overwrite: bool = False, retry_failed: bool = False) -> RunResult:
     """`gpudet detect --devices ...`: one worker per device, results merged into out_dir."""
+    from .config import resolve_model_path
+    from .session import check_external_data
+
+    # The models the workers load, read here first: a file that is missing or no ONNX model is one
+    # line before the output folder changes, not a failure of every worker after it.
+    for on_cpu in sorted({device == "cpu" for device in devices}):  # a CPU worker loads model.cpu_path, if set
+        check_external_data(resolve_model_path(config, on_cpu=on_cpu))
     with OutputFolder(out_dir, output_format=output_format, resume=resume, overwrite=overwrite,
                       retry_failed=retry_failed) as folder:
         return _run_on_devices(folder, source, config, devices, root=root, progress=progress)

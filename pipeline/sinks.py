@@ -118,7 +118,8 @@ def parse_record(line: bytes, path: Path, number: int) -> dict:
             record = json.loads(line)
         except ValueError:  # not JSON; UnicodeDecodeError for NUL bytes
             record = None
-    if not isinstance(record, dict):
+    index = record.get("index") if isinstance(record, dict) else None
+    if not isinstance(index, int) or isinstance(index, bool) or not isinstance(record.get("path"), str):
         raise OutputError(f"{path}: line {number} is not a record gpudet wrote ({line[:60]!r}); remove that line "
                           "(its image is then detected again by --resume), or use --overwrite")
     return record
@@ -888,10 +889,10 @@ def make_folder(path: Path) -> list[Path]:
     made, `path` first, then the parents it made (none: `path` was there). OutputError if it is a
     file or cannot be made."""
     missing, at = [], path
-    while not at.exists() and at != at.parent:
-        missing.append(at)
-        at = at.parent
     try:
+        while not os.path.lexists(at) and at != at.parent:
+            missing.append(at)
+            at = at.parent
         path.mkdir(parents=True)
         return missing
     except FileExistsError:

@@ -106,7 +106,7 @@ def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = N
         refs = [ImageRef(i, p) for i, p in enumerate(sorted(p for p in globlib.glob(text, recursive=True)
                                                             if os.path.isfile(p)))]
         what = f"glob {text!r} matches no file (quote it, so that the shell does not expand it first)"
-    elif mode is None and not path.is_symlink():
+    elif mode is None and not os.path.islink(text):
         raise SourceError(f"source {text} does not exist; give a file list (.txt), a folder, an image file or a "
                           "glob in quotes")
     else:
@@ -145,14 +145,23 @@ def images_in(folder: Path) -> list[Path]:
     found: list[Path] = []
     unreadable: list[OSError] = []
     for top, _, names in os.walk(folder, onerror=unreadable.append):
-        found += [Path(top, name) for name in names if os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS]
+        found += [p for p in map(Path, [top] * len(names), names) if p.suffix.lower() in IMAGE_EXTENSIONS]
     for e in unreadable:
         if os.fspath(e.filename) == os.fspath(folder):
             raise SourceError(f"folder {folder}: cannot read it ({e.strerror}); give gpudet read access, or "
                               "another source")
         log.warning("%s: cannot read this folder (%s): the images in it are not listed and get no record; to "
                     "detect them, give gpudet read access to it and run again", e.filename, e.strerror)
-    return sorted(p for p in found if p.is_file())
+    return sorted(p for p in found if is_file_or_unknown(p))
+
+
+def is_file_or_unknown(path: Path) -> bool:
+    """A regular file (a link to one too), or a name whose kind cannot be read (a folder that may
+    be listed but not searched): kept, so that reading it records why it cannot be read."""
+    try:
+        return path.is_file()
+    except OSError:
+        return True
 
 
 def read_list(path: Path, base: Path) -> list[ImageRef]:
@@ -404,10 +413,17 @@ def decoded_jpeg2000(item: EncodedImage) -> PixelImage | ImageError:
     try:
         with Image.open(io.BytesIO(item.data)) as image:
             return PixelImage(item.ref, pil_pixels(image))
+    except Image.DecompressionBombError as e:  # Pillow's own limit, beyond preprocess.max_pixels
+        return ImageError(item.ref.index, item.ref.path, "too_large",
+                          f"jpeg2000: {e}; Pillow decodes JPEG 2000 for gpudet and refuses images this large")
     except Exception as e:  # the file's own fault, whatever Pillow's decoder raises (OSError, ValueError, ...)
         return ImageError(item.ref.index, item.ref.path, "decode_failed",
                           f"cannot decode (jpeg2000): {str(e)[:300] or type(e).__name__}; the file is corrupt or "
                           "truncated: copy or fetch it again, or re-encode it")
+
+
+SIXTEEN_TO_EIGHT_BITS = ((np.arange(65536, dtype=np.int64) * 255 + 32767) // 65535).astype(np.uint8)
+"""A 16-bit value's 8-bit one, rounded: v * 255 / 65535."""
 
 
 def pil_pixels(image) -> np.ndarray:
@@ -418,9 +434,10 @@ def pil_pixels(image) -> np.ndarray:
     dropped, as the decoder drops it)."""
     image.load()
     if image.mode == "I" or image.mode.startswith("I;16"):
-        values = np.clip(np.asarray(image).astype(np.int64), 0, 65535)
-        grey = ((values * 255 + 32767) // 65535).astype(np.uint8)
-        return np.ascontiguousarray(np.repeat(grey[:, :, None], 3, axis=2))
+        values = np.asarray(image)
+        if values.dtype != np.uint16:  # mode "I": int32
+            values = np.clip(values, 0, 65535).astype(np.uint16)
+        return np.repeat(SIXTEEN_TO_EIGHT_BITS[values][:, :, None], 3, axis=2)
     return np.asarray(image.convert("RGB"))
 
 

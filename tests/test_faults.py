@@ -106,7 +106,8 @@ def test_a_run_accepted_then_stopped_before_it_starts_leaves_the_folder_as_it_wa
     before = {name: (out / name).read_bytes() for name in files}
     (tmp_path / "bad.onnx").write_text("not a model")
     for extra in (["--resume", "--retry-failed", "--device", "cuda:99"], ["--overwrite", "--device", "cuda:99"],
-                  ["--overwrite", "--model", tmp_path / "bad.onnx", "--device", "cpu"]):
+                  ["--overwrite", "--model", tmp_path / "bad.onnx", "--device", "cpu"],
+                  ["--overwrite", "--model", tmp_path / "bad.onnx", "--devices", "cpu,cpu"]):
         one_clear_line(gpudet("detect", source, "--out", out, *extra), 2)
         assert {name: (out / name).read_bytes() for name in files} == before, extra
         assert sorted(p.name for p in out.iterdir()) == sorted([*files, ".gpudet.lock"])
@@ -136,6 +137,8 @@ def test_an_empty_source_is_refused_not_taken_as_this_folder(tmp_path):
     one_clear_line(gpudet("detect", "", "--out", tmp_path / "o", "--device", "cpu", cwd=SAMPLES), 2,
                    "the source is empty")
     assert not (tmp_path / "o").exists()
+    one_clear_line(gpudet("detect", "a" * 300 + ".jpg", "--out", tmp_path / "o", "--device", "cpu"), 2,
+                   "does not exist")
 
 
 def test_a_file_list_not_named_txt_is_named_before_any_setup(tmp_path):
@@ -192,17 +195,26 @@ def test_what_cannot_be_read_is_named_one_line_or_warned(unprivileged):
                                str(folder / out), "--device", "cpu"], cwd=ROOT, capture_output=True, text=True,
                               timeout=300, env={**os.environ, "HOME": str(folder)})
 
+    (folder / "imgs" / "nosearch").mkdir()  # its names can be listed, not looked at
+    (folder / "imgs" / "nosearch" / "c.jpg").write_bytes((SAMPLES / "china.jpg").read_bytes())
+    (folder / "imgs" / "nosearch").chmod(0o444)
+    (folder / "closed").mkdir()
+    (folder / "closed").chmod(0)
     one_clear_line(run(folder / "list.txt", "o1"), 2, "list.txt: cannot read it")
+    one_clear_line(run(folder / "imgs" / "a.jpg", "closed/new/out"), 2, "cannot be made")
     one_clear_line(run(folder / "imgs" / "locked" / "b.jpg", "o2"), 2, "cannot look at it")
     one_clear_line(run(folder / "imgs" / "locked", "o3"), 2, "locked: cannot read it")
     partly = run(folder / "imgs", "o4")
-    assert partly.returncode == 0 and "Traceback" not in partly.stderr, partly.stderr[-2000:]
+    assert partly.returncode == 3 and "Traceback" not in partly.stderr, partly.stderr[-2000:]
     assert f"WARNING: {folder / 'imgs' / 'locked'}: cannot read this folder" in partly.stderr
     assert [r["path"] for r in read_jsonl(folder / "o4" / "detections.jsonl")] == [str(folder / "imgs" / "a.jpg")]
+    assert [(e["path"], e["reason"]) for e in read_jsonl(folder / "o4" / "errors.jsonl")] == [
+        (str(folder / "imgs" / "nosearch" / "c.jpg"), "unreadable")]
 
 
-@pytest.mark.parametrize("damage", [b"this is not json\n", b"[1, 2]\n", b"\x00" * 64 + b"\n"],
-                         ids=["text", "not-an-object", "nul-bytes"])
+@pytest.mark.parametrize("damage", [b"this is not json\n", b"[1, 2]\n", b"\x00" * 64 + b"\n", b"{}\n",
+                                    b'{"index": [0], "path": "a.jpg"}\n'],
+                         ids=["text", "not-an-object", "nul-bytes", "no-index", "index-not-a-number"])
 def test_resume_over_a_damaged_records_file_names_the_line(tmp_path, damage):
     """A line of detections.jsonl that is no record (edited by hand, or NUL bytes a crash of the
     machine left) stops --resume with one line naming the file and the line, exit 2."""

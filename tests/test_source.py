@@ -224,3 +224,19 @@ def test_a_consumer_that_stops_early_does_not_wait_for_the_reads_ahead(monkeypat
     finally:
         release.set()
         closing.join()
+
+
+def test_a_folder_lists_what_pathlib_calls_an_image_sorted_as_pathlib_sorts(tmp_path):
+    """The folder's walk keeps pathlib's order and suffixes (a name such as ..jpg has the suffix
+    .jpg), links to files, and hidden files and folders; a link to a folder is not followed."""
+    from pipeline.source import IMAGE_EXTENSIONS, list_images
+
+    for name in ["b.jpg", "a-b.png", "a/b.jpg", "a/c.txt", "..jpg", ".hidden/d.JPG", "e.webp"]:
+        (tmp_path / "f" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "f" / name).write_bytes(b"x")
+    (tmp_path / "f" / "link.jpg").symlink_to(tmp_path / "f" / "b.jpg")
+    (tmp_path / "f" / "linked").symlink_to(tmp_path / "f" / "a")
+    folder = tmp_path / "f"
+    expected = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+    assert [r.path for r in list_images(folder)] == [str(p) for p in expected]
+    assert str(folder / "..jpg") in [r.path for r in list_images(folder)]
