@@ -313,7 +313,8 @@ def option_overrides(*, model: str | None = None, device: str | None = None, bat
         # A relative path given here is the working directory's where it names a file there (a
         # config's model.path looks beside the config first: model_candidates).
         path = Path(os.path.expanduser(model))  # pathlib's expanduser raises for an unknown user (~nobody)
-        text = str(Path.cwd() / path) if not path.is_absolute() and (Path.cwd() / path).is_file() else str(model)
+        here = Path.cwd() / path
+        text = str(here) if not path.is_absolute() and here.is_file() else str(model)
         overrides += [(said("model", model), f"model.path={json.dumps(text)}"),
                       (said("model", model), "model.cpu_path=null")]
     if device is not None:

@@ -34,7 +34,7 @@ from .config import PreprocessConfig
 from .device import Device
 from .errors import GpudetError
 from .results import ImageError, ImageRef
-from .source import FLUSH, EncodedImage, PixelImage
+from .source import FLUSH, EncodedImage, PixelImage, undecodable
 
 _END = object()
 
@@ -229,10 +229,7 @@ def decode_failed(item: EncodedImage, cause: Exception) -> ImageError:
     operator = re.search(r"Error in \w+ operator `([^`]+)`", text)
     what = text.split("encountered:", 1)[1].strip().splitlines()[0] if "encountered:" in text else text.strip()
     what = re.sub(r"\s*sample #\d+\s*:?\s*$", "", what).strip() or "rejected"
-    where = f" ({operator.group(1)})" if operator else ""
-    return ImageError(item.ref.index, item.ref.path, "decode_failed",
-                      f"cannot decode{where}: {what[:300]}; the file is corrupt or truncated: copy or fetch "
-                      "it again, or re-encode it")
+    return undecodable(item.ref, what, by=operator.group(1) if operator else None)
 
 
 def failed_alone(item: EncodedImage, cause: Exception) -> ImageError:

@@ -145,7 +145,8 @@ def images_in(folder: Path) -> list[Path]:
     found: list[Path] = []
     unreadable: list[OSError] = []
     for top, _, names in os.walk(folder, onerror=unreadable.append):
-        found += [p for p in map(Path, [top] * len(names), names) if p.suffix.lower() in IMAGE_EXTENSIONS]
+        paths = (Path(top, name) for name in names)
+        found += [p for p in paths if p.suffix.lower() in IMAGE_EXTENSIONS]  # pathlib's suffix: ..jpg's is .jpg
     for e in unreadable:
         if os.fspath(e.filename) == os.fspath(folder):
             raise SourceError(f"folder {folder}: cannot read it ({e.strerror}); give gpudet read access, or "
@@ -417,9 +418,15 @@ def decoded_jpeg2000(item: EncodedImage) -> PixelImage | ImageError:
         return ImageError(item.ref.index, item.ref.path, "too_large",
                           f"jpeg2000: {e}; Pillow decodes JPEG 2000 for gpudet and refuses images this large")
     except Exception as e:  # the file's own fault, whatever Pillow's decoder raises (OSError, ValueError, ...)
-        return ImageError(item.ref.index, item.ref.path, "decode_failed",
-                          f"cannot decode (jpeg2000): {str(e)[:300] or type(e).__name__}; the file is corrupt or "
-                          "truncated: copy or fetch it again, or re-encode it")
+        return undecodable(item.ref, str(e) or type(e).__name__, by="jpeg2000")
+
+
+def undecodable(ref: ImageRef, what: str, *, by: str | None = None) -> ImageError:
+    """The decode_failed record of an image its decoder (`by`: DALI's operator, or Pillow's format)
+    rejected, saying `what` it said."""
+    where = f" ({by})" if by else ""
+    return ImageError(ref.index, ref.path, "decode_failed", f"cannot decode{where}: {what[:300]}; the file is corrupt "
+                                                           "or truncated: copy or fetch it again, or re-encode it")
 
 
 SIXTEEN_TO_EIGHT_BITS = ((np.arange(65536, dtype=np.int64) * 255 + 32767) // 65535).astype(np.uint8)
