@@ -116,6 +116,8 @@ DECODER_NOISE = re.compile(
     r"libjpeg|libpng|_parser\]|_decoder\]|\bTIFF[A-Z]\w*:|OpenCV TIFF|"
     # OpenCV's image readers (imdecode_, grfmt_png.cpp, ...: what DALI's CPU decoders print) and libtiff's
     r"\bimdecode_|\bgrfmt_\w+\.cpp|\bloadsave\.cpp|OpenJPEG|Input file read error|Bogus \"StripByteCounts\"|"
+    # libtiff's warnings end with a ".\n" written apart: alone on a line when another decoding thread writes between
+    r"^\.$|"
     # libjpeg's messages about a file's data (its jerror.h), which it prints with no prefix
     r"Corrupt JPEG|Premature end of (JPEG|input) file|JPEG datastream|Invalid JPEG file structure|Not a JPEG file|"
     r"Unsupported JPEG|Empty JPEG image|Empty input file|JFIF revision|Unsupported marker|Invalid component ID|"

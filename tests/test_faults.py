@@ -509,11 +509,12 @@ def test_a_librarys_colour_codes_and_parser_lines_stay_off_the_log(tmp_path):
         "setup_logging(level='DEBUG', as_json=True)\n"
         "with stderr_into_log('library', decoder_level):\n"
         "    os.write(2, b'\\x1b[0;31m[ERROR] \\x1b[0m[png_parser] Could not retrieve image info\\n')\n"
+        "    os.write(2, b'.\\n')\n"  # libtiff's trailer, parted from its warning by another thread's line
         "    os.write(2, b'\\x1b[1msomething else\\x1b[0m\\n')\n")
     done = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     records = [json.loads(line) for line in done.stderr.splitlines()]
     assert [(r["level"], r["message"]) for r in records] == [
-        ("DEBUG", "library: [ERROR] [png_parser] Could not retrieve image info"),
+        ("DEBUG", "library: [ERROR] [png_parser] Could not retrieve image info"), ("DEBUG", "library: ."),
         ("WARNING", "library: something else")], done.stderr
 
 
