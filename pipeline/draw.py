@@ -2,7 +2,8 @@
 
 Output files are named by the record's index and the image's file name, reduced to letters, digits,
 `.`, `_` and `-` (`00000042_street.jpg`): never a path, so nothing a file list says can place a
-file outside the output folder, and two images of one name do not overwrite each other. Lines and
+file outside the output folder, and two images of one name do not overwrite each other. The folder
+holds a mark (layout.DRAWINGS_MARKER) that keeps a folder source from taking the drawings as images. Lines and
 labels scale with the image (a label stays readable on a 3,000 px photo), and a label that would
 leave the image at the top is drawn inside its box.
 """
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
+
+from .layout import DRAWINGS_MARKER
 
 PALETTE = ((230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
            (70, 240, 240), (240, 50, 230))
@@ -60,6 +63,7 @@ def draw_records(records: Iterable[dict], out_dir: str | Path, *, root: str | Pa
     one line per image that could not be drawn (missing, unreadable): those are skipped."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / DRAWINGS_MARKER).touch()  # a folder source that holds this folder leaves the drawings out
     written, skipped = [], []
     for k, record in enumerate(records):
         if limit is not None and k >= limit:

@@ -22,8 +22,9 @@ import errno
 import fcntl
 import functools
 import json
+import logging
 import os
-import shutil
+import re
 import socket
 import time
 import uuid
@@ -38,15 +39,15 @@ from typing import Any, NamedTuple
 import numpy as np
 import orjson
 
+from . import layout
 from ._version import __version__
 from .errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, ConfigError, OutputError, OutputWriteError
+from .layout import DETECTIONS, ERRORS, SHARDS, SUMMARY
 from .results import Detections, ImageError, ImageRef, detection_records, label_name, record_columns
 
-DETECTIONS = {"jsonl": "detections.jsonl", "parquet": "detections.parquet"}
-"""The processed images' file in each output format (--format); JSONL is the default."""
 FORMATS = tuple(DETECTIONS)
-ERRORS = "errors.jsonl"
-SHARDS = "shards"
+
+log = logging.getLogger("gpudet")
 
 
 def result_paths(folder: Path, output_format: str) -> list[Path]:
@@ -262,8 +263,9 @@ def make_parquet_folder(path: Path) -> None:
         path.mkdir(exist_ok=True)
     except OSError as e:
         raise OutputWriteError(path, e) from None
-    for tmp in path.glob(".*.tmp"):
-        tmp.unlink()
+    for tmp in path.glob(".part-*.parquet.tmp"):
+        if layout.PARQUET_TEMPORARY.fullmatch(tmp.name):
+            tmp.unlink()
 
 
 def write_parquet(table, path: Path) -> None:
@@ -285,7 +287,9 @@ def write_parquet(table, path: Path) -> None:
 
 
 def parquet_files(folder: Path) -> list[Path]:
-    """A detections.parquet folder's files, in writing order (none if it does not exist)."""
+    """A detections.parquet folder's files, in writing order (none if it does not exist): what
+    readers of the folder read as its table (pandas, DuckDB's *.parquet). gpudet removes only the
+    ones it names (layout.PARQUET_PART)."""
     return sorted(p for p in folder.glob("*.parquet") if p.is_file()) if folder.is_dir() else []
 
 
@@ -461,10 +465,58 @@ def records_in(path: Path) -> int:
 
 
 def shard_folders(folder: Path) -> list[Path]:
-    """An output folder's shard folders (`shards/*/`), where --devices workers and Ray actors write
-    their records before they are merged into its files; a symbolic link is none."""
+    """An output folder's shard folders (`.gpudet-shards/K/`, `.gpudet-shards/ray-ID/`), where
+    --devices workers and Ray actors write their records before they are merged into its files;
+    a symbolic link, or a folder of another name, is none."""
     shards = folder / SHARDS
-    return sorted(p for p in shards.iterdir() if p.is_dir() and not p.is_symlink()) if shards.is_dir() else []
+    if not shards.is_dir() or shards.is_symlink():
+        return []
+    return sorted(p for p in shards.iterdir()
+                  if layout.SHARD_NAME.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+
+
+def remove_records(folder: Path) -> list[str]:
+    """Remove the files of records gpudet writes in `folder` (an output folder or a shard):
+    detections.jsonl, errors.jsonl, summary.json, the parts of detections.parquet/ and what their
+    atomic writes leave; the Parquet folder goes once empty. Nothing else is touched. Returns
+    what was removed, by name."""
+    removed = []
+    for name in (*layout.RECORD_FILES, *layout.TEMPORARY):
+        path = folder / name
+        if path.is_file() or path.is_symlink():
+            path.unlink()
+            removed.append(name)
+    parquet = folder / DETECTIONS["parquet"]
+    if parquet.is_dir() and not parquet.is_symlink():
+        parts = [p for p in parquet.iterdir()
+                 if layout.PARQUET_PART.fullmatch(p.name) or layout.PARQUET_TEMPORARY.fullmatch(p.name)]
+        for part in parts:
+            part.unlink()
+        if parts:
+            removed.append(f"{DETECTIONS['parquet']}/ ({len(parts)} files)")
+        with suppress(OSError):  # not empty: a file that is not gpudet's stays, and its folder
+            parquet.rmdir()
+    return removed
+
+
+def remove_shards(folder: Path) -> list[str]:
+    """Remove the shard folders of an output folder (their records merged, or --overwrite): the
+    files of records in each, then each shard folder and .gpudet-shards/ once empty. A file in
+    them that gpudet did not write stays, with the folders that hold it. Returns what was
+    removed, by name."""
+    shards = shard_folders(folder)
+    for shard in shards:
+        remove_records(shard)
+        if layout.is_lock_file(shard / layout.LOCK):  # the worker's, ended: the output folder's lock holds the run
+            (shard / layout.LOCK).unlink()
+        with suppress(OSError):
+            shard.rmdir()
+    with suppress(OSError):
+        (folder / SHARDS).rmdir()
+    kept = [p for p in shards if p.exists()]
+    if kept:
+        log.warning("%s: kept, as it holds files gpudet did not write", kept[0])
+    return [f"{SHARDS}/ ({len(shards)} shard{'s' if len(shards) != 1 else ''})"] if shards else []
 
 
 def written_format(folder: str | Path) -> str | None:
@@ -594,14 +646,16 @@ class OutputFolder:
     closed or the process ends; a second run is refused, naming the holder). `begin` says which
     images the run must process (all; with --resume those not yet recorded; results there without
     either flag are an error); inside `writing()`, `record` and `fail` stream each batch's records
-    and count them in `tally`. Use as a context manager."""
+    and count them in `tally`. Use as a context manager.
 
-    LOCK = ".gpudet.lock"
-    SETTINGS = "settings.json"
+    gpudet removes and replaces only what it wrote (layout): a folder that holds a name gpudet
+    writes without being a gpudet output folder is refused, --overwrite removes gpudet's files
+    only, and the shards are removed file by file, never as a tree."""
+
+    LOCK = layout.LOCK
+    SETTINGS = layout.SETTINGS
     """The settings that decide this folder's records (Config.result_settings), as its first run
-    had them: --resume with others is refused."""
-    FILES = (*DETECTIONS.values(), ERRORS, "summary.json", "summary.json.tmp", "detections.jsonl.tmp",
-             ERRORS + ".tmp", SETTINGS, SETTINGS + ".tmp")
+    had them, with gpudet's key (layout.MARKER_KEY): --resume with others is refused."""
 
     def __init__(self, path: str | Path, *, output_format: str = "jsonl", resume: bool = False,
                  overwrite: bool = False, retry_failed: bool = False, flush_s: float = ParquetWriter.FLUSH_S):
@@ -610,6 +664,12 @@ class OutputFolder:
         resume): also process again the images recorded as failed; overwrite: start again;
         flush_s: Parquet's longest wait before held rows are written."""
         self._lock = -1
+        self._made: list[Path] = []
+        """The folders this run made (--out and the parents it lacked): if it ends before it started
+        (refused, or its model does not load), close() removes them again, so that no empty --out
+        is left behind."""
+        self._lock_made = False
+        """The lock file is this run's: a run that never starts removes it again."""
         self.path = Path(path)
         if output_format not in FORMATS:
             raise ConfigError(f"--format {output_format}: give one of {', '.join(FORMATS)}")
@@ -625,42 +685,51 @@ class OutputFolder:
         self._changes: list[Callable[[], None]] = []
         """What `begin` accepted and `started` does to the folder's files (a run refused or stopped
         before it starts leaves them as they were)."""
+        check_not_foreign(self.path)
         self._made = make_folder(self.path)
-        """The folders this run made (--out and the parents it lacked): if it ends before it started
-        (refused, or its model does not load), close() removes them again, so that no empty --out
-        is left behind."""
-        linked = [self.path / name for name in self.FILES if (self.path / name).is_symlink()]
-        if linked:
-            raise OutputError(f"{linked[0]} is a symbolic link; gpudet never writes through one: remove it")
-        self._lock = hold_lock(self.path / self.LOCK, self.path)
+        try:
+            linked = [self.path / name for name in sorted(layout.NAMES) if (self.path / name).is_symlink()]
+            if linked:
+                raise OutputError(f"{linked[0]} is a symbolic link; gpudet never writes through one: remove it")
+            self._lock_made = not os.path.lexists(self.path / self.LOCK)
+            self._lock = hold_lock(self.path / self.LOCK, self.path)
+            check_not_foreign(self.path)  # again, holding the folder: nothing changed since the first look
+        except BaseException:
+            self.close()
+            raise
 
     def started(self) -> None:
         """From here on the folder stays, whatever stops the run: its records are being written
         (writing() calls this), or workers write into its shards (--devices, --ray). What `begin`
         accepted is done to the folder's files now: --overwrite's removal, --retry-failed's
-        emptied errors.jsonl, the earlier summary gone, settings.json written."""
-        self._made = []
+        emptied errors.jsonl, the earlier summary gone, settings.json written (gpudet's mark on the
+        folder, before any record)."""
+        self._made, self._lock_made = [], False
         changes, self._changes = self._changes, []
         for change in changes:
             change()
 
     def close(self) -> None:
         """Release the folder for another run. A folder this run made and never started (started())
-        goes again, with the lock and the parents this run made; a file anyone else put there keeps
-        it."""
-        if self._lock < 0:
-            return
+        goes again, with the lock and the parents this run made; so does a lock file this run made
+        in a folder that was there. A file anyone else put there keeps it."""
         try:
-            if self._made:
+            if self._lock_made and self._lock >= 0:
                 with suppress(OSError):  # the run's own error, not this, is what the user sees
+                    (self.path / self.LOCK).unlink()
+            if self._made:
+                with suppress(OSError):
                     for name in (self.LOCK, self.SETTINGS, self.SETTINGS + ".tmp"):
                         (self.path / name).unlink(missing_ok=True)
         finally:
-            os.close(self._lock)
-            self._lock = -1
+            if self._lock >= 0:
+                os.close(self._lock)
+                self._lock = -1
+            self._lock_made = False
         with suppress(OSError):  # not empty: someone else's file is there
             for folder in self._made:
                 folder.rmdir()
+        self._made = []
 
     def __enter__(self) -> OutputFolder:
         return self
@@ -670,6 +739,12 @@ class OutputFolder:
 
     def __del__(self):
         self.close()
+
+    @property
+    def lock_fd(self) -> int:
+        """The lock file's descriptor: a process that inherits it (a --devices worker) holds the
+        folder with this one, until the last of them has ended."""
+        return self._lock
 
     @property
     def files(self) -> list[Path]:
@@ -693,10 +768,11 @@ class OutputFolder:
         processed again. The images recorded as failed before count in `tally.failed_before`
         (and in the exit code)."""
         kept = self.path / self.SETTINGS
+        marked = None if settings is None else layout.with_marker(settings, __version__)
         if self.overwrite:  # nothing recorded counts
             self._changes = [self._clear]
-            if settings is not None:
-                self._changes.append(functools.partial(write_json_atomic, kept, settings))
+            if marked is not None:
+                self._changes.insert(0, functools.partial(write_json_atomic, kept, marked))
             return list(refs)
         parquet = self.path / DETECTIONS["parquet"]
         if parquet.exists() and not parquet.is_dir():
@@ -712,10 +788,10 @@ class OutputFolder:
             raise OutputError(f"{existing[0]} already holds results; pass --resume to process only the images "
                               "not yet recorded there, or --overwrite to start again")
         if existing and settings is not None and kept.is_file():
+            before = layout.marked_settings(kept)
             try:
-                before = json.loads(kept.read_text())
-                changed = setting_changes(before, settings) if isinstance(before, dict) else None
-            except (ValueError, AttributeError):  # not JSON, or not sections of keys
+                changed = None if before is None else setting_changes(before, settings)
+            except AttributeError:  # not sections of keys
                 changed = None
             if changed is None:
                 raise OutputError(f"{kept} is not the settings file gpudet wrote; remove it to resume without "
@@ -727,9 +803,10 @@ class OutputFolder:
         processed, failed = recorded(existing, refs)
         failed -= processed
         # accepted: the old summary is no longer this folder's
-        self._changes = [functools.partial((self.path / "summary.json").unlink, missing_ok=True)]
-        if settings is not None and not (existing and kept.is_file()):
-            self._changes.append(functools.partial(write_json_atomic, kept, settings))
+        self._changes = []
+        if marked is not None and not (existing and kept.is_file()):  # the folder's mark, before anything else
+            self._changes.append(functools.partial(write_json_atomic, kept, marked))
+        self._changes.append(functools.partial((self.path / SUMMARY).unlink, missing_ok=True))
         if self.retry_failed:  # checked to be this source's above; processed again from here
             self._changes += [functools.partial(empty_file, path) for path in existing if path.name == ERRORS]
             failed = set()
@@ -737,19 +814,11 @@ class OutputFolder:
         return [r for r in refs if r.index not in processed and r.index not in failed]
 
     def _clear(self) -> None:
-        """--overwrite: every record of the folder and its shards gone, in either format."""
-        shutil.rmtree(self.path / SHARDS, ignore_errors=True)
-        parquet = self.path / DETECTIONS["parquet"]
-        if parquet.is_dir():
-            shutil.rmtree(parquet)
-        elif parquet.exists():
-            parquet.unlink()
-        if self.format != "jsonl":
-            (self.path / DETECTIONS["jsonl"]).unlink(missing_ok=True)
-        for path in self.files:
-            if path.is_file():
-                empty_file(path)
-        (self.path / "summary.json").unlink(missing_ok=True)
+        """--overwrite: every record of the folder and its shards gone, in either format; gpudet's
+        files only, and it says which."""
+        removed = remove_shards(self.path) + remove_records(self.path)
+        if removed:
+            log.warning("--overwrite: removed gpudet's %s from %s (nothing else there)", ", ".join(removed), self.path)
 
     @contextmanager
     def writing(self) -> Iterator[OutputFolder]:
@@ -857,7 +926,7 @@ class OutputFolder:
         that a finished run's folder holds each record once. A runner calls it only once every
         image of its run is recorded and nothing writes to the shards any more; otherwise they stay,
         for --resume to merge."""
-        shutil.rmtree(self.path / SHARDS, ignore_errors=True)
+        remove_shards(self.path)
 
     def write_summary(self, *, source: str, images: int, todo: int, device: str, seconds: dict[str, float],
                       loop_seconds: float, started: datetime, model: dict | None = None, config: dict | None = None,
@@ -880,8 +949,23 @@ class OutputFolder:
             "started": started.isoformat(timespec="seconds"),
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        write_json_atomic(self.path / "summary.json", summary)
+        write_json_atomic(self.path / SUMMARY, summary)
         return summary
+
+
+def check_not_foreign(path: Path) -> None:
+    """OutputError when --out `path` holds a name gpudet writes but is not a gpudet output folder:
+    those files are someone else's, and gpudet would replace or remove them."""
+    try:
+        if not path.is_dir() or layout.is_output_folder(path):
+            return
+        foreign = layout.foreign_names(path)
+    except OSError:  # what cannot be looked at is refused where the folder is made or locked
+        return
+    if foreign:
+        raise OutputError(f"--out {path} holds {', '.join(foreign[:4])}, which gpudet did not write (it holds no "
+                          f"{layout.SETTINGS} of gpudet's): gpudet never replaces or removes a file it did not write; "
+                          "give --out a new or empty folder, or move those files")
 
 
 def make_folder(path: Path) -> list[Path]:
@@ -901,29 +985,65 @@ def make_folder(path: Path) -> list[Path]:
                               "write") from None
         return []
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OutputWriteError(path, e, "nothing was written; make room, then run again") from None
         raise OutputError(f"--out {path} cannot be made: {e.strerror or e}; give a folder gpudet may create "
                           "and write") from None
 
 
+LOCK_WAIT_S = 5.0
+"""How long a run waits for a folder held by processes of a run that ended (the --devices workers
+of a parent that was killed die with it, within a second)."""
+
+
 def hold_lock(path: Path, folder: Path) -> int:
     """An exclusive lock on `path` (flock), with who holds it written inside; OutputError naming
-    the holder if another process has it."""
+    the holder if another run has it. A folder whose holder (the pid in the file, on this host)
+    has ended is waited for, up to LOCK_WAIT_S: its workers are ending."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OutputWriteError(path, e, "nothing was written; make room, then run again") from None
         raise OutputError(f"{path}: cannot open the output folder's lock file ({e.strerror or e}); check the "
                           "folder's permissions") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = " ".join(os.pread(fd, 4096, 0).decode("utf-8", "replace").split()) or "another process"
-        os.close(fd)
-        raise OutputError(f"--out {folder} is in use by another gpudet run ({holder}); wait for it to end, or write "
-                          "into another folder") from None
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError:
+            holder = " ".join(os.pread(fd, 4096, 0).decode("utf-8", "replace").split())
+            if time.monotonic() < deadline and holder_ended(holder):
+                time.sleep(0.1)
+                continue
+            os.close(fd)
+            raise OutputError(f"--out {folder} is in use by another gpudet run ({holder or 'another process'}); wait "
+                              "for it to end, or write into another folder") from None
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode(), 0)
+    line = f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode()
+    try:
+        os.ftruncate(fd, 0)
+        if os.pwrite(fd, line, 0) != len(line):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError as e:  # the disk full already: one line, before anything else is written
+        os.close(fd)
+        raise OutputWriteError(path, e, "nothing was written; make room, then run again") from None
     return fd
+
+
+def holder_ended(holder: str) -> bool:
+    """Whether the process a lock file names ("pid N on HOST, ...") was on this host and has ended."""
+    match = re.match(r"pid (\d+) on (\S*),", holder)
+    if match is None or match.group(2) != socket.gethostname():
+        return False
+    try:
+        os.kill(int(match.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
 
 
 def recorded(paths: Iterable[Path], refs: list[ImageRef]) -> tuple[set[int], set[int]]:

@@ -109,7 +109,7 @@ def test_draw_writes_one_image_per_record_named_by_index_and_name(labelled):
     out = labelled / "vis"
     assert main(["draw", str(labelled / "out" / "detections.jsonl"), "--out", str(out), "--limit", "2"]) == 0
     records = [json.loads(line) for line in (labelled / "out" / "detections.jsonl").read_text().splitlines()[:2]]
-    files = sorted(p.name for p in out.iterdir())
+    files = sorted(p.name for p in out.iterdir() if p.name != ".gpudet-drawings")  # the folder's mark
     assert files == [f"{r['index']:08d}_{Path(r['path']).stem}.jpg" for r in records]
     record = records[0]
     x1, y1, x2, y2 = (round(v) for v in record["detections"][0]["box"])
@@ -150,7 +150,7 @@ def test_draw_from_another_folder_skips_a_deleted_image_and_reports_it(tmp_path)
             str(tmp_path / "vis"), "--format", "png"]
     drawn = subprocess.run(draw, cwd=tmp_path, capture_output=True, text=True)
     assert drawn.returncode == 3 and "5 images drawn" in drawn.stdout, drawn.stderr
-    assert "china.jpg" in drawn.stderr and sorted(p.suffix for p in (tmp_path / "vis").iterdir()) == [".png"] * 5
+    assert "china.jpg" in drawn.stderr and sorted(p.suffix for p in (tmp_path / "vis").glob("0*")) == [".png"] * 5
     for folder in ("out", "out/detections.jsonl"):  # the output folder or its file: the same summary
         assert subprocess.run(draw[:4] + [str(work / folder)] + draw[5:], cwd=tmp_path, capture_output=True,
                               text=True).returncode == 3

@@ -65,7 +65,7 @@ def test_the_actors_shards_are_merged_and_removed_and_the_driver_summary_names_m
     for line in run.stderr.splitlines():  # --log-json: Ray's messages too, one JSON object a line
         json.loads(line)
     assert len(read_jsonl(tmp_path / "o" / "detections.jsonl")) == 6
-    assert not (tmp_path / "o" / "shards").exists()  # merged, then removed: each record once in the folder
+    assert not (tmp_path / "o" / ".gpudet-shards").exists()  # merged, then removed: each record once in the folder
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert summary["model"]["contract"] == "end_to_end" and summary["config"]["run"]["batch_size"] == 2
     assert summary["processed"] == 6 and summary["detections"] == 3
@@ -92,7 +92,7 @@ def test_an_actor_killed_mid_run_loses_no_image_and_repeats_none(tmp_path, outpu
     killed = None
     deadline = time.monotonic() + 300
     while killed is None and time.monotonic() < deadline and process.poll() is None:
-        recorded = sum(records_in(p) for p in (out / "shards").glob("ray-*/detections.*"))
+        recorded = sum(records_in(p) for p in (out / ".gpudet-shards").glob("ray-*/detections.*"))
         actors = [p for p in Path("/proc").glob("[0-9]*") if b"MapWorker" in read_bytes(p / "cmdline")]
         if recorded >= 10 and actors:
             killed = int(actors[0].name)
@@ -104,7 +104,7 @@ def test_an_actor_killed_mid_run_loses_no_image_and_repeats_none(tmp_path, outpu
         resumed = ray_run(listing, "--out", out, *options, "--resume")
         assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["index"] for r in read_results(out)] == list(range(len(photos) * 20))
-    assert not (out / "shards").exists()
+    assert not (out / ".gpudet-shards").exists()
 
 
 def read_bytes(path: Path) -> bytes:
@@ -122,7 +122,7 @@ def test_sigterm_to_a_ray_run_is_130_with_a_summary_and_resume_finishes(tmp_path
                                 "--workers", "1", "--device", "cpu", "--batch-size", "2", "--quiet"], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not any((out / "shards").glob("ray-*/detections.jsonl")):
+    while time.monotonic() < deadline and not any((out / ".gpudet-shards").glob("ray-*/detections.jsonl")):
         assert process.poll() is None, process.communicate()
         time.sleep(0.1)
     process.send_signal(signal.SIGTERM)
@@ -133,7 +133,7 @@ def test_sigterm_to_a_ray_run_is_130_with_a_summary_and_resume_finishes(tmp_path
                        "--quiet", "--resume")
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == list(range(400))
-    assert not (out / "shards").exists()  # kept by the interrupted run, merged and removed by the resume
+    assert not (out / ".gpudet-shards").exists()  # kept by the interrupted run, merged and removed by the resume
 
 
 def test_an_actor_whose_stream_stops_fails_every_request_instead_of_hanging(tmp_path):
@@ -148,7 +148,7 @@ def test_an_actor_whose_stream_stops_fails_every_request_instead_of_hanging(tmp_
     from pipeline.distributed import DetectActor
     from pipeline.errors import OutputWriteError
 
-    actor = DetectActor(load_config(None, ["run.device=cpu", "run.batch_size=2"]), str(tmp_path / "shards"))
+    actor = DetectActor(load_config(None, ["run.device=cpu", "run.batch_size=2"]), str(tmp_path / ".gpudet-shards"))
 
     def disk_full(*batch):
         raise OutputWriteError(actor.shard.files[0], OSError(errno.ENOSPC, "No space left on device"))
@@ -187,7 +187,7 @@ def test_an_actor_whose_parquet_file_cannot_be_written_fails_the_request_instead
         raise OutputWriteError(path, OSError(errno.ENOSPC, "No space left on device"))
 
     monkeypatch.setattr(sinks, "write_parquet", disk_full)
-    actor = DetectActor(load_config(None, ["run.device=cpu", "run.batch_size=2"]), str(tmp_path / "shards"),
+    actor = DetectActor(load_config(None, ["run.device=cpu", "run.batch_size=2"]), str(tmp_path / ".gpudet-shards"),
                         output_format="parquet")
     photos = [str(p) for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md"]
 

@@ -338,10 +338,11 @@ def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path, where):
 
 
 def test_symbolic_links_planted_in_the_output_folder_are_never_written_through(tmp_path):
-    (tmp_path / "o").mkdir()
+    assert gpudet("detect", SAMPLES, "--out", tmp_path / "o", "--device", "cpu").returncode == 0  # gpudet's folder
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
     for name in ("detections.jsonl", "summary.json"):
+        (tmp_path / "o" / name).unlink()
         (tmp_path / "o" / name).symlink_to(victim)
         one_clear_line(gpudet("detect", SAMPLES, "--out", tmp_path / "o", "--device", "cpu", "--overwrite"), 2,
                        "symbolic link", name)

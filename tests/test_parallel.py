@@ -56,12 +56,13 @@ def test_a_failing_worker_is_reported_and_resume_finishes(tmp_path, capsys):
     listing = tmp_path / "list.txt"
     listing.write_text("".join(f"{p}\n" for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md") +
                        f"{tmp_path / 'bad.jpg'}\n")
-    (out / "shards" / "1").mkdir(parents=True)
-    (out / "shards" / "1" / "errors.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
+    (out / ".gpudet-shards" / "1").mkdir(parents=True)
+    (out / ".gpudet-shards" / "1" / "errors.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
+    (out / "settings.json").write_text('{"gpudet": "a run stopped before its first record"}')  # gpudet's folder
     assert main(["detect", str(listing), "--out", str(out), "--devices", "cpu,cpu", "--quiet"]) == 1
     assert "worker 1 on cpu exited with code 2" in capsys.readouterr().err
     assert not (tmp_path / "elsewhere.jsonl").exists()
-    (out / "shards" / "1" / "errors.jsonl").unlink()
+    (out / ".gpudet-shards" / "1" / "errors.jsonl").unlink()
     first = read_jsonl(out / "detections.jsonl") + read_jsonl(out / "errors.jsonl")
     assert sorted(r["index"] for r in first) == [0, 2, 4, 6]  # worker 0's share; nothing lost
     # The empty file was worker 0's and is recorded already: this run's images all succeed, and the
@@ -72,7 +73,7 @@ def test_a_failing_worker_is_reported_and_resume_finishes(tmp_path, capsys):
     failed = read_jsonl(out / "errors.jsonl")
     assert sorted([r["index"] for r in done] + [e["index"] for e in failed]) == list(range(7))
     assert [e["reason"] for e in failed] == ["empty"]
-    assert not (out / "shards").exists()  # kept by the run with a failed worker; this one recorded every image
+    assert not (out / ".gpudet-shards").exists()  # kept by the run with a failed worker; this one recorded every image
 
 
 def test_a_worker_that_dies_is_started_again_on_what_it_had_not_recorded(tmp_path, capsys):
@@ -83,7 +84,7 @@ def test_a_worker_that_dies_is_started_again_on_what_it_had_not_recorded(tmp_pat
     listing = tmp_path / "list.txt"
     listing.write_text("".join(f"{p}\n" for p in images))
     out = tmp_path / "out"
-    shard = out / "shards" / "0"
+    shard = out / ".gpudet-shards" / "0"
     killed = []
 
     def kill_worker_0_after_its_first_batch():
@@ -118,7 +119,7 @@ def test_a_worker_that_dies_is_started_again_on_what_it_had_not_recorded(tmp_pat
 
 def test_resume_on_fewer_devices_merges_every_shard_it_counted(tmp_path, monkeypatch):
     """A --devices run on three workers stopped before its merge (killed): its records are only in
-    shards/0..2. A --resume on one device counts them as done, so it must merge all three; a
+    .gpudet-shards/0..2. A --resume on one device counts them as done, so it must merge all three; a
     single-process --resume does the same. The run that completes removes the shards."""
     listing = tmp_path / "list.txt"
     listing.write_text("".join(f"{p}\n" for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md") * 2)
@@ -139,7 +140,7 @@ def test_resume_on_fewer_devices_merges_every_shard_it_counted(tmp_path, monkeyp
     monkeypatch.undo()
     assert main(["detect", str(listing), "--out", str(out), "--device", "cpu", "--resume", "--quiet"]) == 0
     assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == list(range(12))
-    assert not (out / "shards").exists()
+    assert not (out / ".gpudet-shards").exists()
 
 
 def test_more_devices_than_images_start_only_the_workers_with_images(tmp_path):
@@ -165,7 +166,7 @@ def test_sigterm_to_the_parent_stops_the_workers_and_keeps_what_they_wrote(tmp_p
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not all(
-            (out / "shards" / k / "detections.jsonl").exists() and read_jsonl(out / "shards" / k / "detections.jsonl")
+            (out / ".gpudet-shards" / k / "detections.jsonl").exists() and read_jsonl(out / ".gpudet-shards" / k / "detections.jsonl")
             for k in "01"):
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
@@ -176,10 +177,10 @@ def test_sigterm_to_the_parent_stops_the_workers_and_keeps_what_they_wrote(tmp_p
     assert summary["interrupted"] and [w["exit_code"] for w in summary["workers"]] == [130, 130]
     first = read_jsonl(out / "detections.jsonl")
     assert 0 < len(first) < len(images) and summary["processed"] == len(first)
-    assert (out / "shards").is_dir()  # kept for the resume
+    assert (out / ".gpudet-shards").is_dir()  # kept for the resume
     assert main(["detect", str(listing), "--out", str(out), "--devices", "cpu,cpu", "--resume", "--quiet"]) == 0
     assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == list(range(len(images)))
-    assert not (out / "shards").exists()
+    assert not (out / ".gpudet-shards").exists()
 
 
 def test_a_worker_process_imports_no_torch_before_its_early_session():
@@ -256,7 +257,7 @@ def test_sigterm_while_the_workers_import_ends_cleanly(tmp_path):
     assert [line for line in err.splitlines() if "interrupted" in line] == [
         "gpudet: ERROR: interrupted; results so far are complete; continue with --resume"], err[-2000:]
     assert main(["detect", str(SAMPLES), "--out", str(out), "--resume", "--quiet"]) == 0
-    assert len(read_jsonl(out / "detections.jsonl")) == len(EXPECTED_FACES) and not (out / "shards").exists()
+    assert len(read_jsonl(out / "detections.jsonl")) == len(EXPECTED_FACES) and not (out / ".gpudet-shards").exists()
 
 
 def test_a_file_name_that_is_not_utf8_is_merged(tmp_path):

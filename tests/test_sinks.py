@@ -55,7 +55,7 @@ def test_parquet_holds_the_jsonl_records_and_resumes_over_them(tmp_path, device)
         (text_path(r["path"]), None if r["path"].isascii() else os.fsencode(r["path"])) for r in jsonl]
     assert sum(r["path_bytes"] is not None for r in parquet) == 1
     assert main(["draw", str(tmp_path / "parquet"), "--out", str(tmp_path / "drawn"), "--quiet"]) == 0  # each file found
-    assert len(list((tmp_path / "drawn").iterdir())) == 7
+    assert len(list((tmp_path / "drawn").glob("*.jpg"))) == 7
     assert sum(len(r["detections"]) for r in parquet) == 4 and "landmarks" in parquet[0]["detections"][0]
     assert read_jsonl(tmp_path / "jsonl" / "errors.jsonl") == read_jsonl(tmp_path / "parquet" / "errors.jsonl")
     summary = json.loads((tmp_path / "parquet" / "summary.json").read_text())
@@ -113,7 +113,7 @@ def test_a_resume_adds_files_and_each_image_is_recorded_once(tmp_path, monkeypat
     out = tmp_path / "o"
     assert detect(first, "--out", out, "--format", "parquet") == 0
     assert len(list((out / "detections.parquet").glob("*.parquet"))) == 2
-    (out / "detections.parquet" / ".part-1-killed.parquet.tmp").write_bytes(b"PAR1 torn")  # a kill mid-write
+    (out / "detections.parquet" / ".part-1-0badf00d.parquet.tmp").write_bytes(b"PAR1 torn")  # a kill mid-write
     assert len(read_results(out)) == 3  # readers of the folder pass over it
     assert detect(whole, "--out", out, "--format", "parquet", "--resume") == 0
     assert [r["index"] for r in read_results(out)] == list(range(len(PHOTOS)))
@@ -240,14 +240,16 @@ def test_the_merge_keeps_each_image_once_across_shard_files(tmp_path):
     moves the shards' files in, rewrites those with an image seen before, and keeps an image
     recorded as processed out of errors.jsonl."""
     out = tmp_path / "o"
-    for shard, parts in {"ray-a": [[0, 1, 2], [3, 4]], "ray-b": [[3, 4], [4, 5, 5, 6]]}.items():
-        folder = out / "shards" / shard / "detections.parquet"
+    a, b = "ray-" + "a" * 12, "ray-" + "b" * 12
+    for shard, parts in {a: [[0, 1, 2], [3, 4]], b: [[3, 4], [4, 5, 5, 6]]}.items():
+        folder = out / ".gpudet-shards" / shard / "detections.parquet"
         folder.mkdir(parents=True)
         for k, indices in enumerate(parts):
-            write_parquet(batch_table(indices), folder / f"part-{k}-{shard}.parquet")
-    (out / "shards" / "ray-b" / "errors.jsonl").write_text(
+            write_parquet(batch_table(indices), folder / f"part-{k}-{shard[-8:]}.parquet")
+    (out / ".gpudet-shards" / b / "errors.jsonl").write_text(
         '{"index":5,"path":"img5.jpg","reason":"decode_failed","message":"x"}\n'
         '{"index":7,"path":"img7.jpg","reason":"missing","message":"x"}\n')
+    (out / "settings.json").write_text('{"gpudet": "the run that started the shards"}')  # what begin writes first
     rows: list[Row] = []
     with OutputFolder(out, output_format="parquet", resume=True) as folder:
         folder.merge(rows.append)
@@ -256,7 +258,7 @@ def test_the_merge_keeps_each_image_once_across_shard_files(tmp_path):
     assert [(r.index, r.reason) for r in rows if not r.processed] == [(7, "missing")]
     assert [r["index"] for r in read_results(out)] == list(range(7))
     assert [e["index"] for e in read_jsonl(out / "errors.jsonl")] == [7]
-    assert not list((out / "shards").glob("*/detections.parquet/*.parquet"))  # moved in, or dropped as repeats
+    assert not list((out / ".gpudet-shards").glob("*/detections.parquet/*.parquet"))  # moved in, or dropped as repeats
     assert read_results(out)[0]["detections"][1] == {"box": [4.0, 5.0, 6.0, 7.0], "score": 0.9, "label": 0,
                                                      "name": "face"}
 
@@ -270,7 +272,7 @@ def test_draw_and_the_coco_reader_take_a_parquet_output(tmp_path, capsys):
     assert by_index(read_detections(tmp_path / "p")) == by_index(read_detections(tmp_path / "j" / "detections.jsonl"))
     assert read_detections(tmp_path / "p" / "detections.parquet") == read_detections(tmp_path / "p")
     assert main(["draw", str(tmp_path / "p"), "--out", str(tmp_path / "drawn"), "--quiet"]) == 0
-    assert len(list((tmp_path / "drawn").iterdir())) == 6
+    assert len(list((tmp_path / "drawn").glob("*.jpg"))) == 6
     (tmp_path / "p" / "detections.parquet" / "part-9.parquet").write_bytes(b"")
     assert main(["draw", str(tmp_path / "p"), "--out", str(tmp_path / "drawn"), "--quiet"]) == 2
     err = capsys.readouterr().err
@@ -295,6 +297,10 @@ def test_what_is_not_gpudets_parquet_is_one_line_on_resume(tmp_path, capsys):
     assert detect(SAMPLES, "--out", out, "--format", "parquet", "--resume") == 2
     err = capsys.readouterr().err
     assert "detections.parquet is not a folder gpudet wrote" in err and len(err.splitlines()) == 1, err
+    # --overwrite removes what gpudet wrote only: a file of that name is someone else's
+    assert detect(SAMPLES, "--out", out, "--format", "parquet", "--overwrite") == 2
+    assert (out / "detections.parquet").read_text() == "not a folder"
+    (out / "detections.parquet").unlink()
     assert detect(SAMPLES, "--out", out, "--format", "parquet", "--overwrite") == 0
     assert len(read_results(out)) == 6
 

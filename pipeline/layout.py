@@ -1,0 +1,107 @@
+"""What gpudet writes into a folder, by name, and how its folders are known: the one place that
+says which files are gpudet's, so that it never removes, replaces or reads as input a file it did
+not write.
+
+    OUT/settings.json           written first: carries {"gpudet": VERSION} (MARKER_KEY); a folder
+                                holding it is a gpudet output folder
+    OUT/.gpudet.lock            the run's hold on the folder (its pid inside)
+    OUT/detections.jsonl, OUT/detections.parquet/part-*.parquet, OUT/errors.jsonl, OUT/summary.json
+    OUT/.gpudet-shards/K/, OUT/.gpudet-shards/ray-ID/   the --devices workers' and Ray actors'
+                                records before their merge (the same record files)
+    DRAWINGS/.gpudet-drawings   marks a folder `gpudet draw` writes into
+
+A folder source skips gpudet's output and drawing folders inside it, and gpudet's own entries in
+a source that is itself an output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+MARKER_KEY = "gpudet"
+"""settings.json's key that says gpudet wrote it (its value: the version)."""
+SETTINGS = "settings.json"
+LOCK = ".gpudet.lock"
+SHARDS = ".gpudet-shards"
+DRAWINGS_MARKER = ".gpudet-drawings"
+DETECTIONS = {"jsonl": "detections.jsonl", "parquet": "detections.parquet"}
+"""The processed images' file in each output format (--format); JSONL is the default."""
+ERRORS = "errors.jsonl"
+SUMMARY = "summary.json"
+RECORD_FILES = (DETECTIONS["jsonl"], ERRORS, SUMMARY)
+"""The files of records (and the summary) in an output folder or a shard, beside detections.parquet/."""
+TEMPORARY = tuple(f"{name}.tmp" for name in (*RECORD_FILES, SETTINGS))
+"""What an atomic write leaves for a moment (a kill may leave it): NAME.tmp."""
+NAMES = frozenset({*RECORD_FILES, DETECTIONS["parquet"], SETTINGS, LOCK, SHARDS, *TEMPORARY})
+"""Every name gpudet writes at the top of an output folder."""
+SHARD_NAME = re.compile(r"\d+|ray-[0-9a-f]{12}")
+"""A shard folder's name: a --devices worker's number, or ray- and an actor's id."""
+PARQUET_PART = re.compile(r"part-\d+-[0-9a-f]{8}\.parquet")
+PARQUET_TEMPORARY = re.compile(r"\.part-\d+-[0-9a-f]{8}\.parquet\.tmp")
+LOCK_TEXT = re.compile(rb"pid \d+ on \S*, started \S+\n?")
+
+
+def marked_settings(path: Path) -> dict | None:
+    """The settings a gpudet settings.json holds (its sections), or None when `path` is not one:
+    missing, not JSON, or without gpudet's key. A settings.json from a gpudet version before the key
+    (exactly the sections model, preprocess and postprocess) counts as gpudet's too."""
+    try:
+        if not path.is_file() or path.is_symlink() or path.stat().st_size > 1 << 20:
+            return None
+        value = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(value, dict):
+        return None
+    sections = {k: v for k, v in value.items() if k != MARKER_KEY}
+    if MARKER_KEY in value or set(value) == {"model", "preprocess", "postprocess"}:
+        return sections
+    return None
+
+
+def with_marker(settings: dict, version: str) -> dict:
+    """settings.json's content: gpudet's key first, then the settings' sections."""
+    return {MARKER_KEY: version, **settings}
+
+
+def is_lock_file(path: Path) -> bool:
+    """Whether `path` is a lock file a gpudet run wrote (its one line: pid, host, start)."""
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > 4096:
+            return False
+        return LOCK_TEXT.fullmatch(path.read_bytes()) is not None
+    except OSError:
+        return False
+
+
+def is_output_folder(path: Path) -> bool:
+    """A folder a gpudet run wrote into: its settings.json is gpudet's, or it holds a lock file of
+    gpudet's (a run that started writing it)."""
+    return marked_settings(path / SETTINGS) is not None or is_lock_file(path / LOCK)
+
+
+def foreign_names(path: Path) -> list[str]:
+    """The names gpudet writes that `path` (a folder that is not a gpudet output folder) holds:
+    files gpudet did not write, which it must never replace or remove. A lock file of gpudet's
+    (left by a run that never started) is gpudet's own."""
+    names = []
+    for name in sorted(NAMES):
+        if os.path.lexists(path / name) and not (name == LOCK and is_lock_file(path / name)):
+            names.append(name)
+    return names
+
+
+def skipped_in_walk(top: Path, dirs: list[str], files: list[str], root: Path) -> tuple[list[str], list[str]]:
+    """What a folder walk lists of one folder `top` (os.walk's dirs and files): everything, but a
+    gpudet output or drawing folder below the source `root` is left out whole, and in a source
+    that is itself an output folder gpudet's own entries are. Returns (dirs, files) to keep."""
+    own = DRAWINGS_MARKER in files or (LOCK in files and is_output_folder(top))
+    if own and top != root:
+        return [], []
+    if own:
+        dirs = [d for d in dirs if d not in NAMES]
+        files = [f for f in files if f not in NAMES and f != DRAWINGS_MARKER]
+    return dirs, files
