@@ -11,12 +11,13 @@ import logging
 import os
 import shlex
 import sys
+from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._version import __version__
 from .errors import EXIT_OK, EXIT_SOME_FAILED, ConfigError, OutputError, OutputWriteError, catch_signals, \
-    end_command, guarded, setup_logging, signals_held, stderr_into_log
+    end_command, ensure_standard_streams, guarded, setup_logging, signals_held, stderr_into_log
 
 if TYPE_CHECKING:
     from .config import Config
@@ -201,11 +202,13 @@ def _detect(args: argparse.Namespace, config: Config) -> int:
 
 
 def say(text: str) -> None:
-    """Print to stdout. A reader that closed it (`| head`, `| true`) is no failure of the run's."""
+    """Print to stdout. A reader that closed it (`| head`, `| true`), or stdout closed, is no
+    failure of the run's: what cannot be printed is dropped."""
     try:
         print(text, flush=True)
-    except BrokenPipeError:  # Python's advice: stdout to devnull, so that the flush at exit fails no more
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # Python's advice: stdout to devnull, so that the flush at exit fails no more
+        with suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def counted(n: int, noun: str) -> str:
@@ -370,6 +373,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     catch_signals()  # from the start: an interrupt during the imports ends as cleanly as one later
+    ensure_standard_streams()  # before any file is opened: a closed stderr's number is never a record file's
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # the command's usage, not gpudet's list of commands
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -6,8 +6,8 @@
     4    the output could not be written (disk full, a file size limit, an I/O error): every record
          written before is complete; make room, then --resume
     1    internal error (a bug): a traceback is printed, please report it
-    130  interrupted (Ctrl-C, SIGTERM): what was written is complete; --resume continues. One
-         that comes after a run's last record changes nothing (last_record_written)
+    130  interrupted (Ctrl-C, SIGTERM, SIGHUP): what was written is complete; --resume continues.
+         One that comes after a run's last record changes nothing (last_record_written)
 
 A problem the user can fix raises a `GpudetError`, whose message names the file, key or value
 and says what to do; `guarded` turns it into one line on stderr and its exit code.
@@ -86,9 +86,62 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+class StderrHandler(logging.StreamHandler):
+    """gpudet's log lines on a stream; a line that cannot be written (its reader gone: `2>&1 | head`)
+    is dropped: a log line never stops or fails a run."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        pass
+
+
+class DroppingWrites:
+    """A text stream (stderr, for a progress bar) whose writes that fail (its reader gone, a closed
+    descriptor) are dropped, and the ones after them not tried: progress never stops a run."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self.broken = False
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                return self.stream.write(text)
+            except (OSError, ValueError):  # ValueError: the file object is closed
+                self.broken = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self.broken = True
+
+    def __getattr__(self, name: str):  # isatty, fileno, encoding: the stream's
+        return getattr(self.stream, name)
+
+
+def ensure_standard_streams() -> None:
+    """Standard input, output and error open on something: one that was closed (`2>&-`, `>&-`) is
+    opened on /dev/null first thing, so that no file gpudet opens takes its number (a log line
+    would be written into the records), and what gpudet prints there is dropped."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stdout is None:  # Python sets these to None when it starts with the descriptor closed
+        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 (the process's own stream)
+    if sys.stderr is None:
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+
+
 def setup_logging(level: str = "WARNING", as_json: bool = False, quiet: bool = False) -> None:
     """gpudet's messages on stderr, as text (`gpudet: LEVEL: message`) or one JSON object a line."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if as_json else logging.Formatter("gpudet: %(levelname)s: %(message)s"))
     root = logging.getLogger("gpudet")
     root.handlers[:] = [handler]
@@ -124,10 +177,9 @@ def stderr_into_log(source: str, level_of: Callable[[str], int]) -> Iterator[Tex
     gpudet = logging.getLogger("gpudet")
     real = os.dup(2)
     stderr = os.fdopen(os.dup(real), "w", buffering=1)
-    handler = logging.StreamHandler(stderr)
     # A failed write (the reader of our stderr went away) must not print its report to fd 2: that is
-    # the pipe this handler's reader drains, which would feed itself until it blocks.
-    handler.handleError = lambda record: None
+    # the pipe this handler's reader drains, which would feed itself until it blocks. StderrHandler drops it.
+    handler = StderrHandler(stderr)
     handler.setFormatter(gpudet.handlers[0].formatter if gpudet.handlers else logging.Formatter())
     handlers = gpudet.handlers[:]
     gpudet.handlers[:] = [handler]
@@ -145,7 +197,7 @@ def stderr_into_log(source: str, level_of: Callable[[str], int]) -> Iterator[Tex
     reader = threading.Thread(target=forward, name=f"gpudet-{source}-stderr", daemon=True)
     reader.start()
     try:
-        yield stderr
+        yield DroppingWrites(stderr)
     finally:
         sys.stderr.flush()
         os.dup2(real, 2)  # the pipe's last writer in this process is gone: the reader ends
@@ -158,6 +210,9 @@ def stderr_into_log(source: str, level_of: Callable[[str], int]) -> Iterator[Tex
         except OSError:  # what it still held cannot be written: its reader is gone
             pass
 
+
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+"""What stops a run: Ctrl-C, a scheduler's SIGTERM, a closed terminal's or ssh session's SIGHUP."""
 
 _interrupted = threading.Event()
 _finished = threading.Event()
@@ -175,10 +230,10 @@ def _raise_keyboard_interrupt(signum, frame):
 
 @contextmanager
 def signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM held back (blocked) while C libraries load (torch, DALI, ONNX Runtime): an
+    """SIGINT, SIGTERM and SIGHUP held back (blocked) while C libraries load (torch, DALI, ONNX Runtime): an
     interrupt in the middle of their initialisation can come out as an ImportError, or abort the
     process. One that comes meanwhile is delivered when the block ends, as KeyboardInterrupt."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
@@ -186,13 +241,14 @@ def signals_held() -> Iterator[None]:
 
 
 def catch_signals() -> None:
-    """Ctrl-C and SIGTERM (a scheduler stopping the job) raise KeyboardInterrupt, and are noted: an
-    interrupt inside a C extension's import can come out as another error (ImportError). A command
-    starts here: no run's last record is written yet (last_record_written)."""
+    """Ctrl-C, SIGTERM (a scheduler stopping the job) and SIGHUP (its terminal or ssh session
+    closed) raise KeyboardInterrupt, and are noted: an interrupt inside a C extension's import can
+    come out as another error (ImportError). A command starts here: no run's last record is
+    written yet (last_record_written)."""
     _finished.clear()
     _late.clear()
-    signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    for stop in STOP_SIGNALS:
+        signal.signal(stop, _raise_keyboard_interrupt)
 
 
 def last_record_written() -> None:

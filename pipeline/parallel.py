@@ -1,9 +1,9 @@
 """Several devices of one host: one worker process per device, each with its own DALI pipeline
 and ORT session on its share of the images, merged into the usual output files.
 
-    out/shards/K/detections.*, errors.jsonl, summary.json  what worker K wrote (append-only)
-    out/detections.*, errors.jsonl                         the merge: every input exactly once
-    out/summary.json                                       totals and one entry per worker
+    out/.gpudet-shards/K/detections.*, errors.jsonl, summary.json   what worker K wrote (append-only)
+    out/detections.*, errors.jsonl                  the merge: every input exactly once
+    out/summary.json                                totals and one entry per worker
 
 The shards are removed once merged, when every image of the run is recorded; a run interrupted, or
 with a worker that failed, keeps them for --resume.
@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import multiprocessing.context
+import os
 import re
 import signal
 import sys
@@ -36,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config
-from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, DeviceError, guarded, \
-    logging_settings, setup_logging, signals_held
+from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, STOP_SIGNALS, DeviceError, \
+    DroppingWrites, guarded, logging_settings, setup_logging, signals_held
 from .results import ImageRef
 from .sinks import SHARDS, OutputFolder, RunResult, Row, Tally, recorded, records_in, result_paths
 from .source import list_images
@@ -73,16 +75,49 @@ def parse_devices(text: str) -> list[str]:
     return devices
 
 
+class InheritedFd:
+    """A file descriptor that a spawned process inherits: the same open file, so that an flock on
+    it (the output folder's lock) is held until the parent and every such process have ended."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        popen = multiprocessing.context.get_spawning_popen()
+        if popen is None:
+            raise TypeError("InheritedFd travels only to a process being spawned")
+        return InheritedFd, (popen.duplicate_for_child(self.fd),)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with(parent: int) -> None:
+    """End this process (SIGKILL) when its parent dies, as Linux's PR_SET_PDEATHSIG does; at once if
+    the parent is already gone. A --devices worker so never outlives a parent killed with -9: what
+    it wrote is whole lines (a torn last one is cut by --resume), and the folder's lock, which it
+    holds too (InheritedFd), ends with it."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent ended before the call above
+        os._exit(EXIT_INTERRUPTED)
+
+
 def _worker(todo: list[ImageRef], shard: str, config: Config, output_format: str, source: str, images: int,
-            logging_setup: tuple[str, bool]) -> None:
+            logging_setup: tuple[str, bool], parent: int, lock: InheritedFd) -> None:
     """One worker process: the single-device run over its share, appended to its shard; exit
     code as `gpudet detect`'s. It logs as the parent does; it stops on SIGTERM, which the parent
-    sends when it is stopped (a terminal's Ctrl-C, which reaches every process of the group, is
-    left to the parent, so that a worker is asked once)."""
+    sends when it is stopped (a terminal's Ctrl-C or hangup, which reaches every process of the
+    group, is left to the parent, so that a worker is asked once), and dies with its parent
+    (`die_with`). It holds the output folder's lock with the parent (`lock`)."""
+    die_with(parent)
     setup_logging(*logging_setup)
 
     def run() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         # SIGINT and SIGTERM stay held, as the parent held them when it started this process, while
         # session.start_early starts the engine's thread (which opens the model's session and makes
         # its first run on the GPU, and so never takes them); detect_into holds them again while
@@ -92,7 +127,7 @@ def _worker(todo: list[ImageRef], shard: str, config: Config, output_format: str
         with started_early(config):
             from .runner import detect_into
 
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
             # Parquet rows written every 2 s: the parent's progress bar reads the shard's files, and
             # restarts a worker that died only if it had recorded images.
             with OutputFolder(shard, output_format=output_format, resume=True, flush_s=2.0) as folder:
@@ -155,7 +190,8 @@ def _run_on_devices(folder: OutputFolder, source: str, config: Config, devices: 
         worker_config = replace(config, run=replace(config.run, device=worker.device))
         worker.process = context.Process(target=_worker, name=f"gpudet-worker{worker.shard.name}-{worker.device}",
                                          args=(images, str(worker.shard), worker_config, folder.format,
-                                               str(source), len(refs), logging_settings()))
+                                               str(source), len(refs), logging_settings(), os.getpid(),
+                                               InheritedFd(folder.lock_fd)))
         worker.left = len(images)
         # The worker inherits SIGINT and SIGTERM blocked (they would break its imports of torch, DALI
         # and ORT) and unblocks them once its handlers are in place; one sent meanwhile waits. The
@@ -225,7 +261,7 @@ def _wait_with_progress(workers: list[Worker], files: list[Path], total: int, pr
                 w.ended = not restarted(w)
         return any(not w.ended for w in workers)
 
-    with tqdm(total=total, unit="img", disable=not show, dynamic_ncols=True) as bar:
+    with tqdm(total=total, unit="img", disable=not show, file=DroppingWrites(sys.stderr), dynamic_ncols=True) as bar:
         while True:
             more = running()
             bar.n = sum(records_in(f) for f in files) - baseline
@@ -243,7 +279,7 @@ def _stop(workers: list[Worker]) -> None:
     """Ask every running worker to stop (SIGTERM: it ends its batch, writes its summary, exits
     130), wait for them, and kill one that does not end within STOP_TIMEOUT_S. Further interrupts
     meanwhile are not let through: the workers are already stopping."""
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
     try:
         running = [w for w in workers if not w.ended and w.process.is_alive()]
         for w in running:

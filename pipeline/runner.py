@@ -116,6 +116,8 @@ DECODER_NOISE = re.compile(
     r"libjpeg|libpng|_parser\]|_decoder\]|\bTIFF[A-Z]\w*:|OpenCV TIFF|"
     # OpenCV's image readers (imdecode_, grfmt_png.cpp, ...: what DALI's CPU decoders print) and libtiff's
     r"\bimdecode_|\bgrfmt_\w+\.cpp|\bloadsave\.cpp|OpenJPEG|Input file read error|Bogus \"StripByteCounts\"|"
+    # libtiff writes its module's name apart from its message: under load a line may hold the message alone
+    r"Read error (at scanline|on strip|at row)|"
     # libtiff's warnings end with a ".\n" written apart: alone on a line when another decoding thread writes between
     r"^\.$|"
     # libjpeg's messages about a file's data (its jerror.h), which it prints with no prefix
