@@ -6,7 +6,14 @@
         print(result.path, result.boxes_xyxy, result.scores)
 """
 
+import os
+
 from ._version import __version__
+
+# ONNX Runtime's telemetry writes a device id and an event database under ~/.cache/Microsoft when it
+# is imported, outside anything a user gave gpudet: off before onnxruntime loads (session.py turns
+# it off too, where onnxruntime was imported first). ORT_DISABLE_TELEMETRY=0 keeps it on.
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 __all__ = ["Detector", "ImageResult", "ImageError", "DeviceDetections", "load_config"]
 

@@ -153,11 +153,11 @@ def check_thresholds(score_threshold: float, iou_threshold: float, max_detection
         return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
     need(number(score_threshold) and 0.0 <= score_threshold <= 1.0, "score_threshold",
-         f"{score_threshold!r} must be a number in [0, 1]")
+         f"{shown(score_threshold)} must be a number in [0, 1]")
     need(number(iou_threshold) and 0.0 < iou_threshold <= 1.0, "iou_threshold",
-         f"{iou_threshold!r} must be a number in (0, 1]")
+         f"{shown(iou_threshold)} must be a number in (0, 1]")
     whole = isinstance(max_detections, numbers.Integral) and not isinstance(max_detections, bool)
-    need(whole and 0 < max_detections <= 100_000, "max_detections", f"{max_detections!r} must be a whole number in "
+    need(whole and 0 < max_detections <= 100_000, "max_detections", f"{shown(max_detections)} must be a whole number in "
                                                                      "1..100000")
 
 
@@ -226,6 +226,12 @@ SECTIONS = {"model": ModelConfig, "preprocess": PreprocessConfig, "postprocess":
             "run": RunConfig}
 
 
+def shown(value: Any, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters: an error line names a value, never pastes a large one."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
+
+
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     """Check `value` against the field's annotation; accept int for float; raise ConfigError."""
     hint = annotation
@@ -233,7 +239,7 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if origin is Literal:
         if value not in typing.get_args(hint):
             choices = ", ".join(map(str, typing.get_args(hint)))
-            raise ConfigError(f"{key}: {value!r} is not one of {choices}")
+            raise ConfigError(f"{key}: {shown(value)} is not one of {choices}")
         return value
     if origin in (types.UnionType, typing.Union):
         if value is None and type(None) in typing.get_args(hint):
@@ -243,14 +249,14 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if origin is tuple:
         item = typing.get_args(hint)[0]
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
+            raise ConfigError(f"{key}: expected a list, got {shown(value)}")
         return tuple(_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{key}: {value!r} is not a finite number")
+        raise ConfigError(f"{key}: {shown(value)} is not a finite number")
     if hint in (int, float, str, bool) and (type(value) is not hint):
-        raise ConfigError(f"{key}: expected {hint.__name__}, got {value!r} ({type(value).__name__})")
+        raise ConfigError(f"{key}: expected {hint.__name__}, got {shown(value)} ({type(value).__name__})")
     return value
 
 
@@ -258,13 +264,13 @@ def _apply(sections: dict[str, dict[str, Any]], values: dict[str, Any], origin: 
     """Check `values` ({section: {key: value}}) and merge them into `sections`."""
     for section, body in values.items():
         if section not in SECTIONS:
-            raise ConfigError(f"{origin}: unknown section {section!r}; expected one of {', '.join(SECTIONS)}")
+            raise ConfigError(f"{origin}: unknown section {shown(section)}; expected one of {', '.join(SECTIONS)}")
         if not isinstance(body, dict):
-            raise ConfigError(f"{origin}: section {section!r} must be a mapping of keys")
+            raise ConfigError(f"{origin}: section {shown(section)} must be a mapping of keys")
         hints = typing.get_type_hints(SECTIONS[section])
         for key, value in body.items():
             if key not in hints:
-                raise ConfigError(f"{origin}: unknown key {section}.{key}; known: {', '.join(hints)}")
+                raise ConfigError(f"{origin}: unknown key {section}.{shown(key)[1:-1]}; known: {', '.join(hints)}")
             try:
                 sections[section][key] = _coerce(f"{section}.{key}", value, hints[key])
             except ConfigError as e:
@@ -275,16 +281,57 @@ def parse_override(text: str, origin: str = "overrides") -> dict[str, Any]:
     """`section.key=value` (value parsed as YAML) -> {"section": {"key": value}}. origin: what
     errors call it (the CLI's --set, the API's overrides)."""
     if "=" not in text:
-        raise ConfigError(f"{origin} {text!r}: expected section.key=value, e.g. postprocess.score_threshold=0.5")
+        raise ConfigError(f"{origin} {shown(text)}: expected section.key=value, e.g. postprocess.score_threshold=0.5")
     dotted, raw = text.split("=", 1)
     parts = dotted.strip().split(".")
     if len(parts) != 2:
-        raise ConfigError(f"{origin} {text!r}: the key must be section.key, e.g. run.batch_size")
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{origin} {text!r}: value is not valid YAML: {' '.join(str(e).split())}") from None
+        raise ConfigError(f"{origin} {shown(text)}: the key must be section.key, e.g. run.batch_size")
+    if len(text) > MAX_OVERRIDE_CHARS:
+        raise ConfigError(f"{origin} {shown(text)}: {len(text):,} characters, over the {MAX_OVERRIDE_CHARS:,} a "
+                          "value may have; put large values in a config file")
+    value = parse_yaml(raw, f"{origin} {shown(text)}: value")
     return {parts[0]: {parts[1]: value}}
+
+
+MAX_CONFIG_BYTES = 1 << 20
+"""A config file over this size is refused: configs are a few hundred bytes."""
+MAX_OVERRIDE_CHARS = 1 << 16
+MAX_DEPTH = 16
+"""How deeply a config's lists and mappings may nest (gpudet's keys need 4: model.anchor_sizes)."""
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with two bounds a config needs: no aliases (`*name`: nested ones make a
+    few lines grow to gigabytes, the "billion laughs"), and nesting at most MAX_DEPTH deep (deeper
+    would end in Python's RecursionError)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.YAMLError(f"line {mark.line + 1}: an alias (*{shown(self.peek_event().anchor, 30)[1:-1]}) "
+                                 "is not taken in a gpudet config; write the value out")
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise yaml.YAMLError(f"line {mark.line + 1}: nested more than {MAX_DEPTH} levels deep; a gpudet "
+                                     "config needs 4 at most")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def parse_yaml(text: str, what: str) -> Any:
+    """YAML text, parsed with BoundedLoader; ConfigError naming `what` (at most a few hundred
+    characters) if it is not valid."""
+    try:
+        return yaml.load(text, Loader=BoundedLoader)  # noqa: S506 (a safe loader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} is not valid YAML: {' '.join(str(e).split())[:300]}") from None
 
 
 def _data_dir(name: str) -> Path:
@@ -301,12 +348,12 @@ def option_overrides(*, model: str | None = None, device: str | None = None, bat
     each paired with the option as the user gave it (cli: `--batch-size 0`, else `batch_size=0`),
     which load_config's errors name."""
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)):
-        raise ConfigError(f"batch_size={batch_size!r}: give a whole number of images, e.g. batch_size=32")
+        raise ConfigError(f"batch_size={shown(batch_size)}: give a whole number of images, e.g. batch_size=32")
     if device is not None and not isinstance(device, str):
-        raise ConfigError(f"device={device!r}: give one of 'auto', 'cpu', 'cuda', 'cuda:N'")
+        raise ConfigError(f"device={shown(device)}: give one of 'auto', 'cpu', 'cuda', 'cuda:N'")
 
     def said(name: str, value) -> str:
-        return f"--{name.replace('_', '-')} {value}" if cli else f"{name}={value!r}"
+        return f"--{name.replace('_', '-')} {value}" if cli else f"{name}={shown(value)}"
 
     overrides = []
     if model is not None:
@@ -361,20 +408,22 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str | tuple[
     and the string (origin: the API's overrides, the CLI's --set), or what the user wrote."""
     path = config_file(path)
     try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: {path.stat().st_size:,} bytes, over the {MAX_CONFIG_BYTES:,} a config may "
+                              "have; --config takes a YAML config (configs/ has examples)")
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a text file; --config takes a YAML config (configs/ has examples)") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read it: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    values = parse_yaml(text, str(path)) or {}
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     _apply(sections, values, str(path))
     set_by: dict[str, str] = {}
     for item in overrides:
-        said, text = item if isinstance(item, tuple) else (f"{origin} {item}", item)
+        said, text = item if isinstance(item, tuple) else (f"{origin} {shown(item)[1:-1]}", item)
         values = parse_override(text, origin)
         _apply(sections, values, said)
         [(section, body)] = values.items()

@@ -16,15 +16,19 @@ from .device import cuda_problem
 from .engine import ORT_TO_TORCH, TORCH_TO_NUMPY, detect_contract, model_record
 from .errors import ModelError
 from .postprocess import RETINANET_METADATA
-from .session import TensorSpec, check_external_data, find_image_input
+from .session import TensorSpec, check_external_data, find_image_input, not_a_model
 
 
 def declared_io(model_path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """The model's inputs and outputs as declared (symbolic dims kept), from an unoptimized CPU session."""
+    """The model's inputs and outputs as declared (symbolic dims kept), from an unoptimized CPU
+    session; ModelError, one line, where ONNX Runtime cannot load it."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
-    session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+    try:
+        session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+    except Exception as e:  # ORT raises several types for unreadable or invalid models
+        raise ModelError(f"{model_path}: ONNX Runtime cannot load it: {' '.join(str(e).split())[:400]}") from None
     return ([TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_inputs()],
             [TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_outputs()])
 
@@ -34,10 +38,7 @@ def model_summary(path: Path, contract: str = "auto") -> dict:
     the config's model.contract. A model gpudet cannot use raises ModelError (unreadable, external
     data outside its folder, no contract)."""
     check_external_data(path)
-    try:
-        inputs, outputs = declared_io(path)
-    except Exception as e:  # ORT raises several types for unreadable or invalid models
-        raise ModelError(f"{path}: ONNX Runtime cannot load it: {e}") from None
+    inputs, outputs = declared_io(path)
     find_image_input(inputs, path)
     return model_record(path, detect_contract(outputs, contract, path), inputs, outputs)
 
@@ -82,9 +83,13 @@ def cuda_placement(model_path: Path, size_hw: tuple[int, int] | None, *, device_
 def inspect_model(path: str | Path, *, size_hw: tuple[int, int] | None = (640, 640)) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise ModelError(f"{path}: no such file; give the path of an ONNX model file")
+        what = "a folder" if path.is_dir() else "no such file"
+        raise ModelError(f"{path}: {what}; give the path of an ONNX model file")
     check_external_data(path)
-    model = onnx.load(str(path), load_external_data=False)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # check_external_data read it: only a file that changed since
+        raise not_a_model(path, e) from None
     inputs, outputs = declared_io(path)
     info = {
         "path": str(path), "ir_version": model.ir_version,

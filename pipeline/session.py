@@ -32,6 +32,9 @@ import onnxruntime as ort
 from .config import Config, RunConfig, resolve_model_path
 from .errors import ModelError, signals_held
 
+if os.environ.get("ORT_DISABLE_TELEMETRY") != "0":  # as pipeline/__init__ says, for an onnxruntime imported before it
+    ort.disable_telemetry_events()
+
 SCALAR_INPUTS = {"score_threshold": np.float32, "iou_threshold": np.float32, "max_detections": np.int64}
 
 log = logging.getLogger("gpudet")
@@ -87,15 +90,36 @@ def find_image_input(inputs: list[TensorSpec], model_path: Path) -> ImageInput:
                       tuple(hw) if static else None, spec.shape[0] if isinstance(spec.shape[0], int) else None)
 
 
+def not_a_model(model_path: Path, error: Exception) -> ModelError:
+    """The one line for a file that ONNX or ONNX Runtime cannot read as a model: what it is (text,
+    empty) and what they said, in one line."""
+    try:
+        with open(model_path, "rb") as f:
+            head = f.read(64)
+    except OSError:
+        head = b""
+    if isinstance(error, OSError) and not head:
+        what = f"cannot read it ({error.strerror or error})"
+    elif not head:
+        what = "it is empty (0 bytes)"
+    elif head.lstrip()[:1] in (b"{", b"["):
+        what = "it holds JSON text, not an ONNX model"
+    else:
+        what = f"not a readable ONNX model ({type(error).__name__}: {' '.join(str(error).split())[:200]})"
+    return ModelError(f"{model_path}: {what}; give an .onnx file (gpudet inspect FILE checks one)")
+
+
 def check_external_data(model_path: Path) -> None:
     """Refuse a model whose external-data references point outside its own folder: a model file
     must not make gpudet read arbitrary files (`location: ../../etc/passwd`)."""
     import onnx
 
     try:
+        if model_path.stat().st_size == 0:  # protobuf reads an empty file as an empty model
+            raise ValueError("empty")
         model = onnx.load(str(model_path), load_external_data=False)
-    except Exception as e:  # protobuf DecodeError, OSError, ...
-        raise ModelError(f"{model_path}: not a readable ONNX model ({type(e).__name__}: {e})") from None
+    except Exception as e:  # protobuf DecodeError, ParseError (text that is no ONNX), OSError, ...
+        raise not_a_model(model_path, e) from None
     folder = model_path.resolve().parent
 
     def tensors(graph):
@@ -223,7 +247,7 @@ def _session(model_path: Path, dim_overrides: dict[str, int], providers: list | 
     try:
         return ort.InferenceSession(str(model_path), options, providers=providers or ["CPUExecutionProvider"])
     except Exception as e:  # ORT raises several types for unreadable or invalid models
-        raise ModelError(f"{model_path}: ONNX Runtime cannot load it: {e}") from None
+        raise ModelError(f"{model_path}: ONNX Runtime cannot load it: {' '.join(str(e).split())[:400]}") from None
 
 
 @dataclass
