@@ -28,7 +28,8 @@ from .config import Config, check_thresholds, load_config, option_overrides
 from .device import Device, free_bytes, resolve_device
 from .engine import ORT_TO_TORCH, Engine, Launched, detect_contract, landmark_points, model_record
 from .errors import ConfigError
-from .postprocess import DeviceDetections, EndToEnd, GraphCache, RetinaNetHeads, SsdHeads, Thresholds, image_meta
+from .postprocess import BadModelOutput, DeviceDetections, EndToEnd, GraphCache, RetinaNetHeads, SsdHeads, Thresholds, \
+    image_meta
 from .preprocess import PreprocessedBatch, Preprocessor, preprocess_stream
 from .results import Detections, ImageError, ImageRef, ImageResult
 from .session import drop_started, engine_arguments
@@ -150,9 +151,15 @@ class Detector:
         position and a carried index are never reconciled).
 
         One stream at a time per detector (its DALI pipeline and output buffers serve one): a
-        second, started before the first is finished or closed, raises."""
-        return self.stream_batches(batches=batched(inputs(items), self.batch_size), on_error=on_error, clock=clock,
-                                   on_device=on_device, thresholds=thresholds)
+        second, started before the first is finished or closed, raises.
+
+        An error raised by `items` (a generator's own) ends the stream: the batches of the items
+        it gave before come out first, then the error is raised."""
+        raised: list[Exception] = []
+        yield from self.stream_batches(batches=batched(until_raised(inputs(items), raised), self.batch_size),
+                                       on_error=on_error, clock=clock, on_device=on_device, thresholds=thresholds)
+        if raised:
+            raise raised[0]
 
     def stream_batches(self, batches: Iterable[list[Item]], on_error: Callable[[list[ImageError]], None], *,
                        clock: StageClock | None = None, on_device: bool = False,
@@ -189,16 +196,16 @@ class Detector:
             for batch in batches:  # source: files read ahead, checked -> preprocess: DALI
                 if batch is FLUSH:  # nothing more for now (a stream fed by requests): every batch on
                     while pending:
-                        yield finished(*pending.popleft(), clock)
+                        yield from self._finished(*pending.popleft(), clock, on_error)
                     continue
                 slot, count = count % depth, count + 1
                 ran = engine.submit(self._model, batch, slot, reading.get(slot), clock)  # engine: ORT on DALI's buffer
                 reading[slot] = post.submit(self._postprocess, batch, ran, on_device, thresholds, clock)  # -> host
                 pending.append((batch, reading[slot]))
                 if len(pending) == depth:
-                    yield finished(*pending.popleft(), clock)
+                    yield from self._finished(*pending.popleft(), clock, on_error)
             while pending:
-                yield finished(*pending.popleft(), clock)
+                yield from self._finished(*pending.popleft(), clock, on_error)
 
     def _keep(self, thresholds: Thresholds) -> Thresholds:
         """A stream's thresholds, checked and put in place before any batch flows: bound to a model
@@ -264,6 +271,25 @@ class Detector:
         if seconds is not None:
             clock.add("engine_gpu", seconds)
         return found
+
+    def _finished(self, batch: PreprocessedBatch, postprocessed: Future, clock: StageClock,
+                  on_error: Callable[[list[ImageError]], None]) -> Iterator[tuple[PreprocessedBatch, Detections]]:
+        """The batch with its detections, once its postprocess is done: without the images whose
+        model outputs no record may hold (NaN or infinite values; a batch_index outside the batch:
+        BadModelOutput), which go to on_error as bad_model_output."""
+        with clock("postprocess"):  # waits for the batch's engine run and postprocess
+            try:
+                found = postprocessed.result()
+            except BadModelOutput as e:
+                on_error([bad_output(ref, str(e)) for ref in batch.refs])
+                return
+        bad = found.bad_images()
+        if bad:
+            on_error([bad_output(batch.refs[i], "the model's boxes, scores or landmarks for this image hold NaN or "
+                                                "infinite values") for i in bad])
+            batch, found = without_images(batch, bad), found.without(bad, len(batch.refs))
+        if batch.refs:
+            yield batch, found
 
     @contextmanager
     def _threads(self):
@@ -343,6 +369,14 @@ def inputs(source, root: str | None = None) -> Iterator[Item]:
         yield value if isinstance(value, own) else as_item(value, index)
 
 
+def until_raised(items: Iterable, raised: list[Exception]) -> Iterator:
+    """`items`, ending where they raise an Exception, which is put in `raised` instead."""
+    try:
+        yield from items
+    except Exception as e:
+        raised.append(e)
+
+
 def readable(batches: Iterable[list[EncodedImage | PixelImage | ImageError]],
              on_error: Callable[[list[ImageError]], None], max_batch_pixels: int,
              device: torch.device) -> Iterator[list[EncodedImage | PixelImage]]:
@@ -388,9 +422,16 @@ def check_memory(device: Device, *, batch_size: int, height: int, width: int, va
                           "or preprocess.size")
 
 
-def finished(batch: PreprocessedBatch, postprocessed: Future, clock: StageClock):
-    with clock("postprocess"):  # waits for the batch's engine run and postprocess
-        return batch, postprocessed.result()
+def bad_output(ref: ImageRef, what: str) -> ImageError:
+    return ImageError(ref.index, ref.path, "bad_model_output", f"{what}; the model, not the image, is at fault: "
+                                                               "check its export (gpudet inspect MODEL)")
+
+
+def without_images(batch: PreprocessedBatch, images: list[int]) -> PreprocessedBatch:
+    """The batch without the images at rows `images` (and without its padding rows)."""
+    keep = [i for i in range(len(batch.refs)) if i not in set(images)]
+    return dataclasses.replace(batch, refs=[batch.refs[i] for i in keep], orig_hw=batch.orig_hw[keep],
+                               scale_yx=batch.scale_yx[keep], pad_yx=batch.pad_yx[keep])
 
 
 class Inline:

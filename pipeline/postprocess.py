@@ -71,6 +71,22 @@ class DeviceDetections:
     def on_device(self) -> DeviceDetections:
         return self
 
+    def bad_images(self) -> list[int]:
+        """As Detections.bad_images (one host sync)."""
+        finite = torch.isfinite(self.boxes_xyxy).all(dim=1) & torch.isfinite(self.scores)
+        if self.landmarks is not None:
+            finite &= torch.isfinite(self.landmarks).flatten(1).all(dim=1)
+        return torch.unique(self.batch_index[~finite]).tolist()
+
+    def without(self, images: list[int], count: int) -> DeviceDetections:
+        """As Detections.without."""
+        dropped = torch.tensor(images, dtype=torch.int64, device=self.batch_index.device)
+        renumbered = torch.cumsum(~torch.isin(torch.arange(count, device=dropped.device), dropped), 0) - 1
+        rows = ~torch.isin(self.batch_index, dropped)
+        return DeviceDetections(batch_index=renumbered[self.batch_index[rows]], boxes_xyxy=self.boxes_xyxy[rows],
+                                scores=self.scores[rows], labels=self.labels[rows],
+                                landmarks=None if self.landmarks is None else self.landmarks[rows])
+
     def per_image(self, count: int) -> list[DeviceDetections]:
         """The rows of images 0..count-1 (rows are grouped by image), each as its own
         DeviceDetections, views of these tensors; the counts cost one host sync."""
@@ -95,6 +111,26 @@ class DeviceDetections:
             if self.landmarks is not None else None)
 
 
+class BadModelOutput(Exception):
+    """A batch's model outputs hold values the contract rules out (a batch_index outside the
+    batch): its images are recorded as bad_model_output, and the run goes on."""
+
+
+def check_lengths(outputs: dict[str, torch.Tensor], widths: dict[str, int]) -> None:
+    """An end-to-end model's outputs, one row per detection: each as long as `scores`, and as wide
+    as `widths` says (boxes 4; landmarks 2 a point). ModelError naming the output otherwise: a
+    model that breaks its contract's shapes stops the run."""
+    count = outputs["scores"].shape[0]
+    for name in ("boxes", "scores", "batch_index", "labels", "landmarks"):
+        value = outputs.get(name)
+        if value is None:
+            continue
+        if value.shape[0] != count or (name in widths and tuple(value.shape[1:]) != (widths[name],)):
+            expected = f"[{count}" + (f", {widths[name]}]" if name in widths else "]")
+            raise ModelError(f"the model's output {name} is {list(value.shape)}, where its contract (end_to_end) "
+                             f"needs {expected}: one row per detection, as many as scores; check the model's export")
+
+
 class EndToEnd:
     """Postprocess for a model that decodes and NMS's in its graph: threshold, cap per image, undo
     the resize/letterbox and clip, on the outputs' device. The outputs' count N is data-dependent,
@@ -109,20 +145,28 @@ class EndToEnd:
     def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, num_images: int,
                  thresholds: Thresholds) -> DeviceDetections:
         """num_images: rows of the batch that are real images (the rest pad the batch)."""
+        check_lengths(outputs, {"boxes": 4, **({"landmarks": 2 * self.num_landmarks} if self.num_landmarks else {})})
         scores = outputs["scores"].float()
         meta = meta.to(scores.device)
+        batch = meta.shape[0]
         image = outputs["batch_index"].long()
+        inside = (image >= 0) & (image < batch)
+        image = torch.where(inside, image, batch)  # a row outside the batch: counted apart, never kept or indexed
         labels = outputs["labels"].long() if "labels" in outputs else torch.zeros_like(image)
         # Order by (image, score desc); rank within each image; keep score >= threshold and rank < cap.
         # Rows below the threshold sort after those above it, so the rank counts kept rows first.
         order = torch.argsort(scores, descending=True, stable=True)
         order = order[torch.argsort(image[order], stable=True)]
-        counts = torch.bincount(image, minlength=meta.shape[0])
+        counts = torch.bincount(image, minlength=batch + 1)
         first_row = torch.cumsum(counts, 0) - counts
         rank = torch.arange(len(order), device=scores.device) - first_row[image[order]]
         keep = (scores[order] >= thresholds.score_threshold) & (rank < thresholds.max_detections)
         keep &= image[order] < num_images
         rows = order[keep]  # a boolean mask: one sync for the count
+        outside = int(counts[batch])  # its count came with that sync
+        if outside:
+            raise BadModelOutput(f"the model's batch_index output holds {outside} values outside 0..{batch - 1} (this "
+                                 f"batch's images)")
         landmarks = None
         if self.num_landmarks:
             landmarks = to_original(outputs["landmarks"][rows].reshape(-1, self.num_landmarks, 2), image[rows], meta)

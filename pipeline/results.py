@@ -31,7 +31,7 @@ class ImageError:
     path: str
     reason: str
     """Stable code: missing, not_a_file, unreadable, empty, unknown_format, bad_header, truncated,
-    too_large, decode_failed, bad_array (README, "When things go wrong")."""
+    too_large, decode_failed, bad_array, bad_model_output (README, "When things go wrong")."""
     message: str
 
     def to_record(self) -> dict:
@@ -53,6 +53,23 @@ class Detections:
         m = len(self.batch_index)
         assert self.boxes_xyxy.shape == (m, 4) and self.scores.shape == (m,) and self.labels.shape == (m,)
         assert self.landmarks is None or (self.landmarks.shape[0] == m and self.landmarks.shape[2] == 2)
+
+    def bad_images(self) -> list[int]:
+        """The images (batch rows) with a box, score or landmark that is NaN or infinite: what no
+        record may hold (a model's fault, not the image's)."""
+        finite = np.isfinite(self.boxes_xyxy).all(axis=1) & np.isfinite(self.scores)
+        if self.landmarks is not None:
+            finite &= np.isfinite(self.landmarks).all(axis=(1, 2))
+        return np.unique(self.batch_index[~finite]).tolist()
+
+    def without(self, images: list[int], count: int) -> Detections:
+        """These detections without the rows of `images` (batch rows of a batch of `count`), the
+        images after them moved up (batch_index renumbered)."""
+        renumbered = np.cumsum(~np.isin(np.arange(count), images)) - 1
+        rows = ~np.isin(self.batch_index, images)
+        return Detections(batch_index=renumbered[self.batch_index[rows]], boxes_xyxy=self.boxes_xyxy[rows],
+                          scores=self.scores[rows], labels=self.labels[rows],
+                          landmarks=None if self.landmarks is None else self.landmarks[rows])
 
     def per_image(self, count: int) -> list[Detections]:
         """The rows of images 0..count-1, each as its own Detections (batch_index 0)."""

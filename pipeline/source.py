@@ -21,9 +21,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from . import layout
 from .errors import SourceError
 from .results import ImageError, ImageRef
 
@@ -139,12 +141,16 @@ def looks_like_a_list(path: Path) -> bool:
 
 def images_in(folder: Path) -> list[Path]:
     """The image files under `folder`, searched recursively (links to folders not followed), in
-    pathlib's sorted order. A folder inside it that cannot be read is named in a warning (the
-    images in it cannot be listed, so no record can say they were missed); `folder` itself
-    unreadable is an error."""
+    pathlib's sorted order; gpudet's own output and drawing folders inside it, and its own files
+    where `folder` is an output folder, are left out (layout.skipped_in_walk). What is named as an
+    image but is no regular file (a dangling link, a FIFO) is listed, as a file list lists it, so
+    that its record says why it was not read. A folder inside it that cannot be read is named in
+    a warning (the images in it cannot be listed, so no record can say they were missed); `folder`
+    itself unreadable is an error."""
     found: list[Path] = []
     unreadable: list[OSError] = []
-    for top, _, names in os.walk(folder, onerror=unreadable.append):
+    for top, dirs, names in os.walk(folder, onerror=unreadable.append):
+        dirs[:], names = layout.skipped_in_walk(Path(top), dirs, names, folder)
         paths = (Path(top, name) for name in names)
         found += [p for p in paths if p.suffix.lower() in IMAGE_EXTENSIONS]  # pathlib's suffix: ..jpg's is .jpg
     for e in unreadable:
@@ -153,16 +159,7 @@ def images_in(folder: Path) -> list[Path]:
                               "another source")
         log.warning("%s: cannot read this folder (%s): the images in it are not listed and get no record; to "
                     "detect them, give gpudet read access to it and run again", e.filename, e.strerror)
-    return sorted(p for p in found if is_file_or_unknown(p))
-
-
-def is_file_or_unknown(path: Path) -> bool:
-    """A regular file (a link to one too), or a name whose kind cannot be read (a folder that may
-    be listed but not searched): kept, so that reading it records why it cannot be read."""
-    try:
-        return path.is_file()
-    except OSError:
-        return True
+    return sorted(found)
 
 
 def read_list(path: Path, base: Path) -> list[ImageRef]:
@@ -213,8 +210,31 @@ def sniff_format(head: bytes) -> str | None:
     return None
 
 
+class JpegFrame(NamedTuple):
+    """A JPEG's frame header (its first SOF marker)."""
+
+    marker: int
+    """0xC0 baseline, 0xC1 extended, 0xC2 progressive (Huffman-coded DCT); 0xC3 lossless; 0xC9-0xCB
+    arithmetic-coded; 0xC5-0xC7, 0xCD-0xCF hierarchical."""
+    precision: int
+    """Bits per sample."""
+    width: int
+    height: int
+
+
+DALI_JPEG = frozenset({0xC0, 0xC1, 0xC2})
+"""The frames DALI's decoders take (8-bit samples): JPEGs of any other frame are decoded by Pillow
+(libjpeg-turbo: lossless and arithmetic-coded ones), as they are read."""
+
+
 def _jpeg_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) from the first SOF marker; None if the header ends before one."""
+    frame = jpeg_frame(data)
+    return None if frame is None else (frame.width, frame.height)
+
+
+def jpeg_frame(data: bytes) -> JpegFrame | None:
+    """The first frame header of a JPEG's bytes; None if the header ends before one."""
     i = 2
     while i + 4 <= len(data):
         if data[i] != 0xFF:
@@ -230,7 +250,8 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
             return None
         length = int.from_bytes(data[i + 2:i + 4], "big")
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC) and i + 9 <= len(data):
-            return int.from_bytes(data[i + 7:i + 9], "big"), int.from_bytes(data[i + 5:i + 7], "big")
+            return JpegFrame(marker, data[i + 4], int.from_bytes(data[i + 7:i + 9], "big"),
+                             int.from_bytes(data[i + 5:i + 7], "big"))
         i += 2 + length
     return None
 
@@ -347,6 +368,9 @@ def read_checked(ref: ImageRef, max_pixels: int = 0, max_bytes: int = 0) -> Enco
     try:
         data = read_file(ref.path, max_bytes)
     except FileNotFoundError:
+        if os.path.islink(ref.path):
+            return ImageError(ref.index, ref.path, "missing", f"a symbolic link to {os.readlink(ref.path)}, which does "
+                                                              "not exist; fix or remove the link")
         spaces = any(part != part.strip() for part in Path(ref.path).parts)
         return ImageError(ref.index, ref.path, "missing", "file not found; check the path in the list" +
                           (" (a name in it starts or ends with a space, which the list keeps as written)"
@@ -399,26 +423,59 @@ def checked_bytes(item: EncodedImage, max_pixels: int = 0) -> EncodedImage | Ima
         return ImageError(ref.index, ref.path, "truncated",
                           "png ends before its last chunk (IEND): the file was cut short, e.g. by an interrupted "
                           "download or copy; fetch or copy it again")
+    item = EncodedImage(ref, data, size[0] * size[1])
+    if kind == "jpeg":
+        frame = jpeg_frame(data[:65536].tobytes()) or jpeg_frame(data.tobytes())
+        if len(data) * 8 < least_bits(frame):
+            return ImageError(ref.index, ref.path, "truncated",
+                              f"jpeg declares {frame.width}x{frame.height} pixels, more than its {len(data):,} bytes can "
+                              "hold: its header is corrupt, or the file was cut short; fetch or copy it again")
+        if frame.marker not in DALI_JPEG or frame.precision != 8:
+            return decoded_here(item, f"jpeg ({JPEG_KINDS.get(frame.marker, 'hierarchical')}, "
+                                      f"{frame.precision}-bit)")
     if kind == "jpeg2000":
-        return decoded_jpeg2000(EncodedImage(ref, data, size[0] * size[1]))
-    return EncodedImage(ref, data, size[0] * size[1])
+        return decoded_here(item, "jpeg2000")
+    return item
 
 
-def decoded_jpeg2000(item: EncodedImage) -> PixelImage | ImageError:
-    """A JPEG 2000 file decoded here, by Pillow (OpenJPEG), on the reading thread; DALI gets its
-    pixels. DALI's own JPEG 2000 decoding (OpenCV's OpenJPEG on the CPU, its fallback on a GPU)
-    can crash the process (SIGSEGV) on a corrupt file after another corrupt one, which no error
-    record could then report; Pillow raises an error instead."""
-    from PIL import Image
+JPEG_KINDS = {0xC0: "baseline", 0xC1: "extended", 0xC2: "progressive", 0xC3: "lossless", 0xC9: "arithmetic",
+              0xCA: "arithmetic progressive", 0xCB: "arithmetic lossless"}
+
+
+def least_bits(frame: JpegFrame) -> int:
+    """The fewest bits a JPEG of this frame can code its pixels in: with Huffman codes (at least
+    one bit each), one bit per 8x8 block of its largest component for DCT frames (the DC scan
+    codes every block), one per pixel for lossless ones; arithmetic coding goes below a bit (0:
+    no bound). A header that declares more pixels than its file can hold was corrupted, or the
+    file cut short: decoders fill what is missing with grey, and say nothing."""
+    if frame.marker in DALI_JPEG:
+        return -(-frame.width // 8) * -(-frame.height // 8)
+    if frame.marker == 0xC3:
+        return frame.width * frame.height
+    return 0
+
+
+def decoded_here(item: EncodedImage, what: str) -> PixelImage | ImageError:
+    """An image DALI does not decode (or not safely), decoded here by Pillow, on the reading
+    thread; DALI gets its pixels. JPEG 2000: DALI's own decoding (OpenCV's OpenJPEG on the CPU,
+    its fallback on a GPU) can crash the process (SIGSEGV) on a corrupt file after another corrupt
+    one, which no error record could then report; Pillow raises an error instead. Lossless and
+    arithmetic-coded JPEGs: DALI's decoders reject most; libjpeg-turbo reads the 8-bit ones. What
+    Pillow cannot open at all is `unsupported`."""
+    from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(item.data)) as image:
             return PixelImage(item.ref, pil_pixels(image))
     except Image.DecompressionBombError as e:  # Pillow's own limit, beyond preprocess.max_pixels
         return ImageError(item.ref.index, item.ref.path, "too_large",
-                          f"jpeg2000: {e}; Pillow decodes JPEG 2000 for gpudet and refuses images this large")
+                          f"{what}: {e}; Pillow decodes these for gpudet and refuses images this large")
+    except UnidentifiedImageError:
+        return ImageError(item.ref.index, item.ref.path, "unsupported",
+                          f"{what}: neither DALI nor Pillow decodes this kind of image; convert it to PNG or an 8-bit "
+                          "JPEG (e.g. with ImageMagick or dcmj2pnm)")
     except Exception as e:  # the file's own fault, whatever Pillow's decoder raises (OSError, ValueError, ...)
-        return undecodable(item.ref, str(e) or type(e).__name__, by="jpeg2000")
+        return undecodable(item.ref, str(e) or type(e).__name__, by=what.split(" ")[0])
 
 
 def undecodable(ref: ImageRef, what: str, *, by: str | None = None) -> ImageError:
