@@ -1,0 +1,474 @@
+"""gpudet never touches what is not its own: user files in --out, files outside --out, processes
+that outlive their run. Real subprocesses and signals; a real file system filled up where the
+machine lets a test mount one."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import EXPECTED_FACES, SAMPLES, read_jsonl
+from test_faults import gpudet, one_clear_line
+
+from pipeline.cli import main
+
+PHOTOS = sorted(p for p in SAMPLES.iterdir() if p.suffix in (".png", ".jpg"))
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (links as their target's name) by its relative path, with its bytes."""
+    files = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_symlink():
+            files[str(path.relative_to(folder))] = os.readlink(path).encode()
+        elif path.is_file():
+            files[str(path.relative_to(folder))] = path.read_bytes()
+    return files
+
+
+def images_in(tmp_path: Path, count: int = 3) -> Path:
+    source = tmp_path / "src"
+    source.mkdir()
+    for photo in PHOTOS[:count]:
+        shutil.copy(photo, source / photo.name)
+    return source
+
+
+def test_a_folder_named_shards_in_out_is_the_users_and_stays(tmp_path):
+    """A run, a --resume and an --overwrite into a folder that holds the user's shards/k/f: the
+    file stays (gpudet's shards are .gpudet-shards/, known by their names)."""
+    out = tmp_path / "u"
+    (out / "shards" / "k").mkdir(parents=True)
+    (out / "shards" / "k" / "f").write_text("x\n")
+    for extra in ([], ["--resume"], ["--overwrite"]):
+        run = gpudet("detect", SAMPLES, "--out", out, "--device", "cpu", *extra)
+        assert run.returncode == 0, (extra, run.stderr[-2000:])
+        assert (out / "shards" / "k" / "f").read_text() == "x\n", extra
+    assert len(read_jsonl(out / "detections.jsonl")) == len(EXPECTED_FACES)
+
+
+def test_out_as_the_source_folder_records_its_images_and_deletes_none(tmp_path):
+    """--out is the source folder, with an image under shards/2024/: recorded, kept, and a --resume
+    finds nothing left to do (neither gpudet's files nor a drawing folder are taken as images)."""
+    source = images_in(tmp_path)
+    (source / "shards" / "2024").mkdir(parents=True)
+    shutil.copy(SAMPLES / "grace_hopper.jpg", source / "shards" / "2024" / "a.jpg")
+    before = tree(source)
+    assert gpudet("detect", source, "--out", source, "--device", "cpu").returncode == 0
+    assert {k: v for k, v in tree(source).items() if k in before} == before
+    paths = sorted(r["path"] for r in read_jsonl(source / "detections.jsonl"))
+    assert paths == sorted(str(source / name) for name in before)
+    assert main(["draw", str(source), "--out", str(source / "vis"), "--quiet"]) == 0
+    assert main(["draw", str(source), "--out", str(tmp_path / "other" / "vis"), "--quiet"]) == 0
+    shutil.move(tmp_path / "other" / "vis", source / "drawn")  # a drawing folder moved into the source
+    resumed = gpudet("detect", source, "--out", source, "--device", "cpu", "--resume")
+    assert resumed.returncode == 0 and "nothing left to process" in resumed.stdout, resumed.stderr[-2000:]
+    assert {k: v for k, v in tree(source).items() if k in before} == before
+
+
+def test_an_output_folder_inside_the_source_is_never_listed(tmp_path):
+    """--out inside the source: its records, its shards and the drawings made into it are not
+    images of the source, for a new run or a --resume."""
+    source = images_in(tmp_path)
+    out = source / "out"
+    assert gpudet("detect", source, "--out", out, "--device", "cpu", "--devices", "cpu,cpu").returncode == 0
+    assert main(["draw", str(out), "--out", str(out / "vis"), "--quiet"]) == 0
+    resumed = gpudet("detect", source, "--out", out, "--device", "cpu", "--resume")
+    assert resumed.returncode == 0 and "nothing left to process" in resumed.stdout, resumed.stderr[-2000:]
+    assert main(["detect", str(source), "--out", str(tmp_path / "o2"), "--device", "cpu", "--quiet"]) == 0
+    assert len(read_jsonl(tmp_path / "o2" / "detections.jsonl")) == 3
+
+
+@pytest.mark.parametrize("name", ["settings.json", "summary.json", "errors.jsonl", "detections.jsonl",
+                                  "detections.parquet"])
+def test_a_folder_that_is_not_gpudets_and_holds_its_names_is_refused(tmp_path, name):
+    """A non-empty --out whose settings.json is not gpudet's, holding a name gpudet writes: refused
+    with one line naming it, exit 2, with and without --overwrite, nothing in it changed."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    if name == "detections.parquet":
+        (out / name).mkdir()
+        (out / name / "part-1-0badf00d.parquet").write_bytes(b"my table")
+    else:
+        (out / name).write_text('{"model": "mine"}\n')
+    before = tree(out)
+    for extra in ([], ["--overwrite"], ["--resume"]):
+        one_clear_line(gpudet("detect", SAMPLES, "--out", out, "--device", "cpu", *extra), 2, name,
+                       "gpudet did not write")
+        assert tree(out) == before and sorted(p.name for p in out.iterdir()) == sorted(["notes.txt", name])
+
+
+def test_overwrite_removes_gpudets_files_only_and_says_so(tmp_path):
+    """--overwrite in a gpudet folder: its records go, in either format and in its shards; a user's
+    file inside detections.parquet/ or a shard stays, and so do their folders."""
+    out = tmp_path / "o"
+    assert gpudet("detect", SAMPLES, "--out", out, "--device", "cpu", "--format", "parquet").returncode == 0
+    (out / "detections.parquet" / "README.txt").write_text("my notes on this table\n")
+    shard = out / ".gpudet-shards" / "0"
+    shard.mkdir(parents=True)
+    (shard / "errors.jsonl").write_text("")
+    (shard / "keep.txt").write_text("mine\n")
+    run = gpudet("detect", SAMPLES, "--out", out, "--device", "cpu", "--overwrite")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--overwrite: removed gpudet's" in run.stderr and "detections.parquet/ (1 files)" in run.stderr
+    assert (out / "detections.parquet" / "README.txt").read_text() == "my notes on this table\n"
+    assert (shard / "keep.txt").read_text() == "mine\n" and not (shard / "errors.jsonl").exists()
+    assert not list((out / "detections.parquet").glob("*.parquet"))
+    assert len(read_jsonl(out / "detections.jsonl")) == len(EXPECTED_FACES)
+
+
+NAMES = ["detections.jsonl", "errors.jsonl", "summary.json", "settings.json", ".gpudet.lock", "detections.parquet",
+         ".gpudet-shards", "shards", "0", "ray-aaaaaaaaaaaa", "part-1-0badf00d.parquet", "notes.txt", "sub"]
+
+
+@st.composite
+def user_trees(draw) -> dict[str, bytes]:
+    """Up to 6 files at depth 1 to 3, named from gpudet's own names and others."""
+    files = {}
+    for _ in range(draw(st.integers(1, 6))):
+        parts = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=3))
+        files["/".join(parts)] = draw(st.binary(min_size=1, max_size=20))
+    names = sorted(files)  # a path that is another's folder cannot also be a file
+    return {k: v for k, v in files.items() if not any(other.startswith(k + "/") for other in names)}
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(files=user_trees(), inside=user_trees())
+def test_user_files_in_out_stay_byte_identical_or_the_run_is_refused(tmp_path_factory, files, inside):
+    """A random tree of the user's files in --out (gpudet's names among them): a run, a --resume and
+    an --overwrite each leave every one byte-identical, or refuse (exit 2); so do the user's files
+    put inside gpudet's own folders after its first run."""
+    out = tmp_path_factory.mktemp("out")
+    for name, data in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(data)
+    before = tree(out)
+    code = main(["detect", str(PHOTOS[0]), "--out", str(out), "--device", "cpu", "--quiet"])
+    assert code in (0, 2) and {k: v for k, v in tree(out).items() if k in before} == before
+    if code == 2:
+        assert tree(out) == before
+        return
+    for name, data in inside.items():  # into detections.jsonl's neighbours, a shard, the Parquet folder
+        for folder in (".gpudet-shards/1", "detections.parquet"):
+            path = out / folder / name
+            if not any(p.is_file() for p in [*path.parents][:-len(out.parts)]) and not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+    before = {k: v for k, v in tree(out).items() if k in before or k.split("/")[0] in (".gpudet-shards",
+                                                                                          "detections.parquet")}
+    for extra in (["--resume"], ["--overwrite"]):
+        code = main(["detect", str(PHOTOS[0]), "--out", str(out), "--device", "cpu", "--quiet", *extra])
+        assert code in (0, 2), extra
+        assert {k: v for k, v in tree(out).items() if k in before} == before, extra
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_devices_workers_die_with_a_killed_parent_and_resume_finishes(tmp_path):
+    """kill -9 of a --devices parent while its workers run: they are gone within a second (none
+    writes after the parent is gone), and an immediate --resume records every image exactly once."""
+    listing = tmp_path / "l.txt"
+    listing.write_text("".join(f"{p}\n" for p in PHOTOS) * 20)
+    out = tmp_path / "o"
+    for round_ in range(2):
+        command = [sys.executable, "-m", "pipeline", "detect", str(listing), "--out", str(out), "--devices",
+                   "cpu,cpu", "--batch-size", "2", "--no-progress"] + (["--resume"] if round_ else [])
+        recorded = sum(len(read_jsonl(p)) for p in out.glob(".gpudet-shards/*/detections.jsonl"))
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and \
+                sum(p.read_bytes().count(b"\n") for p in out.glob(".gpudet-shards/*/detections.jsonl")) <= recorded:
+            time.sleep(0.1)
+        assert process.poll() is None, process.stderr.read()[-2000:]
+        workers = [pid for pid in children(process.pid) if "pipeline" in Path(f"/proc/{pid}/cmdline").read_text()
+                   or "multiprocessing" in Path(f"/proc/{pid}/cmdline").read_text()]
+        process.kill()
+        process.wait()
+        time.sleep(1.0)
+        assert workers and not [pid for pid in workers if alive(pid)], workers
+    run = gpudet("detect", listing, "--out", out, "--devices", "cpu,cpu", "--resume")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == list(range(len(PHOTOS) * 20))
+
+
+def test_a_run_writes_nothing_into_home(tmp_path):
+    """ONNX Runtime's telemetry (a device id and an event database under ~/.cache/Microsoft) is off:
+    HOME stays empty, and a HOME that does not exist is not made."""
+    home = tmp_path / "home"
+    home.mkdir()
+    for where in (home, tmp_path / "no-home"):
+        run = gpudet("detect", SAMPLES, "--out", tmp_path / "o", "--device", "cpu", "--overwrite",
+                     env={**os.environ, "HOME": str(where)})
+        assert run.returncode == 0, run.stderr[-2000:]
+    assert not list(home.iterdir()) and not (tmp_path / "no-home").exists()
+
+
+def alias_bomb(levels: int) -> str:
+    """YAML of `levels` nested aliases, 9 of each level in the next: 9**levels strings once expanded."""
+    items = ["&l0 [" + ", ".join(["lol"] * 9) + "]"]
+    items += [f"&l{k} [" + ", ".join([f"*l{k - 1}"] * 9) + "]" for k in range(1, levels)]
+    return "[" + ", ".join(items) + "]"
+
+
+@pytest.mark.parametrize("case", ["alias bomb", "deep", "set bomb", "set deep", "huge set"])
+def test_hostile_configs_are_one_short_line_and_exit_2(tmp_path, case):
+    config = tmp_path / "c.yaml"
+    config.write_text({"alias bomb": f"run:\n  batch_size: {alias_bomb(7)}\n", "deep": "[" * 100_000}.get(case, "run: {}\n"))
+    value = {"set bomb": alias_bomb(7), "set deep": "[" * 100_000, "huge set": "[" + ",".join(["1"] * 40_000) + "]"}
+    started = time.monotonic()
+    run = gpudet("detect", SAMPLES, "--out", tmp_path / "o", "--config", config, "--set",
+                 f"run.device={value.get(case, 'cpu')}", timeout=60)
+    one_clear_line(run, 2)
+    assert len(run.stderr) < 600 and time.monotonic() - started < 30, run.stderr[:600]
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("shell", ["--progress 2>&1 | head -c 100", "--progress 2>&-", "--no-progress 2>&-", ">&-",
+                                   "--progress 2>&1 >&- | head -c 10"])
+def test_a_broken_or_closed_stream_never_stops_or_fails_the_job(tmp_path, shell):
+    """Progress and log lines that cannot be written are dropped: every record, summary.json, and
+    the job's own exit code."""
+    listing = tmp_path / "l.txt"
+    listing.write_text("".join(f"{p}\n" for p in PHOTOS) * 10)
+    out = tmp_path / "o"
+    run = subprocess.run(f"set -o pipefail; {sys.executable} -m pipeline detect {listing} --out {out} --device cpu "
+                         f"--batch-size 2 {shell}; echo \"rc=${{PIPESTATUS[0]}}\" >&2", shell=True, executable="/bin/bash",
+                         capture_output=True, text=True, timeout=300)
+    assert "rc=0" in run.stderr, run.stderr[-2000:]
+    assert len(read_jsonl(out / "detections.jsonl")) == len(PHOTOS) * 10
+    assert json.loads((out / "summary.json").read_text())["processed"] == len(PHOTOS) * 10
+    assert not (out / "errors.jsonl").read_text()
+
+
+def test_sighup_stops_the_run_as_sigterm_does(tmp_path):
+    listing = tmp_path / "l.txt"
+    listing.write_text("".join(f"{p}\n" for p in PHOTOS) * 30)
+    out = tmp_path / "o"
+    process = subprocess.Popen([sys.executable, "-m", "pipeline", "detect", str(listing), "--out", str(out), "--device",
+                                "cpu", "--batch-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (out / "detections.jsonl").is_file():
+        time.sleep(0.05)
+    process.send_signal(signal.SIGHUP)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert [line for line in err.splitlines() if "ERROR" in line][0].endswith("continue with --resume"), err
+    assert gpudet("detect", listing, "--out", out, "--device", "cpu", "--resume").returncode == 0
+    assert sorted(r["index"] for r in read_jsonl(out / "detections.jsonl")) == list(range(len(PHOTOS) * 30))
+
+
+def test_a_file_size_limit_at_the_start_is_exit_4_and_leaves_no_folder(tmp_path):
+    """The first write of a run (the lock's pid) fails: one line, exit 4, and the --out it made is gone."""
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)); from pipeline.cli import main; "
+            f"sys.exit(main(['detect', {str(SAMPLES)!r}, '--out', {str(tmp_path / 'o' / 'sub')!r}, '--device', 'cpu']))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    one_clear_line(run, 4, ".gpudet.lock")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_full_disk_at_the_start_is_exit_4_and_leaves_no_folder(tmp_path):
+    """A real full file system (a 1 MiB tmpfs, filled), mounted in a user namespace of the test's
+    own where the machine allows one: exit 4, one line, and no new folder in it."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-Urm", "true"], capture_output=True).returncode:
+        pytest.skip("this machine lets no test mount a file system (unshare -Urm)")
+    mount = tmp_path / "full"
+    mount.mkdir()
+    script = (f"mount -t tmpfs -o size=1m tmpfs {mount} && (head -c 2M /dev/zero > {mount}/filler || true) && "
+              f"{sys.executable} -m pipeline detect {SAMPLES} --out {mount}/o --device cpu; echo rc=$? >&2; "
+              f"ls -A {mount} >&2")
+    run = subprocess.run(["unshare", "-Urm", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    assert "rc=4" in run.stderr and "the disk is full" in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr and run.stderr.strip().splitlines()[-1] == "filler", run.stderr[-2000:]
+
+
+def constant_model(path: Path, outputs: dict[str, "np.ndarray"]) -> Path:
+    """An end_to_end ONNX model whose outputs are these constants, whatever the images."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    image = helper.make_tensor_value_info("images", onnx.TensorProto.FLOAT, ["b", 3, "h", "w"])
+    nodes, declared = [], []
+    for name, value in outputs.items():
+        value = np.asarray(value)
+        nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
+        kind = onnx.TensorProto.INT64 if value.dtype == np.int64 else onnx.TensorProto.FLOAT
+        declared.append(helper.make_tensor_value_info(name, kind, ["n"] + [None] * (value.ndim - 1)))
+    graph = helper.make_graph(nodes, "constant", [image], declared)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    return path
+
+
+@pytest.mark.parametrize("case", ["outside the batch", "NaN box", "infinite score"])
+def test_model_outputs_no_record_may_hold_are_bad_model_output_records(tmp_path, case):
+    """An end-to-end model whose batch_index leaves the batch, or whose box or score is NaN or
+    infinite: those images are recorded as bad_model_output (the batch's, or the image's), the
+    others as usual, never a traceback and never null in a box."""
+    import numpy as np
+
+    boxes = np.array([[1, 1, 20, 20], [2, 2, 30, 30]], np.float32)
+    scores = np.array([0.95, 0.97], np.float32)
+    batch_index = np.array([0, 1], np.int64)
+    if case == "outside the batch":
+        batch_index[1] = -1
+    elif case == "NaN box":
+        boxes[0, 2] = np.nan
+    else:
+        scores[0] = np.inf
+    model = constant_model(tmp_path / "m.onnx", {"boxes": boxes, "scores": scores, "batch_index": batch_index})
+    listing = tmp_path / "l.txt"
+    listing.write_text("".join(f"{p}\n" for p in PHOTOS[:4]))
+    run = gpudet("detect", listing, "--out", tmp_path / "o", "--model", model, "--device", "cpu", "--batch-size", "2",
+                 "--set", "model.landmarks=0")
+    assert run.returncode == 3 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    failed = read_jsonl(tmp_path / "o" / "errors.jsonl")
+    done = read_jsonl(tmp_path / "o" / "detections.jsonl")
+    assert {e["reason"] for e in failed} == {"bad_model_output"} and "null" not in (tmp_path / "o" / "detections.jsonl").read_text()
+    expected = {"outside the batch": [0, 1, 2, 3], "NaN box": [0, 2], "infinite score": [0, 2]}[case]
+    assert sorted(e["index"] for e in failed) == expected
+    assert sorted(r["index"] for r in done) == sorted(set(range(4)) - set(expected))
+    assert all(len(r["detections"]) == 1 for r in done)  # image 1 of its batch: its detection, renumbered
+
+
+def test_model_outputs_of_different_lengths_stop_the_run_with_one_line(tmp_path):
+    import numpy as np
+
+    model = constant_model(tmp_path / "m.onnx", {"boxes": np.zeros((3, 4), np.float32),
+                                                  "scores": np.ones(2, np.float32),
+                                                  "batch_index": np.zeros(2, np.int64)})
+    one_clear_line(gpudet("detect", SAMPLES, "--out", tmp_path / "o", "--model", model, "--device", "cpu",
+                          "--set", "model.landmarks=0"), 2, "output boxes is [3, 4]", "needs [2, 4]")
+
+
+@pytest.mark.parametrize("name, content", [("empty.onnx", b""), ("garbage.onnx", b"\x00garbage" * 100),
+                                           ("gt.json", b'{"images": [], "annotations": []}\n')])
+def test_inspect_and_model_of_any_file_are_one_line(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_bytes(content)
+    for run in (gpudet("inspect", path), gpudet("detect", SAMPLES, "--out", tmp_path / "o", "--model", path,
+                                                 "--device", "cpu")):
+        one_clear_line(run, 2, str(path))
+        assert len(run.stderr.splitlines()) == 1, run.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def lossless_jpeg(pixels: "np.ndarray", bits: int = 8) -> bytes:
+    """A lossless JPEG (ITU T.81 process 14, SOF3, predictor 1: the sample to the left) of uint8 or
+    uint16 pixels [H, W] or [H, W, C]: a minimal encoder, one Huffman table of 5-bit codes."""
+    import numpy as np
+
+    samples = pixels.reshape(pixels.shape[0], pixels.shape[1], -1).astype(np.int64)
+    height, width, channels = samples.shape
+    # Prediction: the first sample from 2^(P-1), the first row from the left, each row's first from above.
+    predicted = np.empty_like(samples)
+    predicted[0, 0] = 1 << (bits - 1)
+    predicted[0, 1:] = samples[0, :-1]
+    predicted[1:, 0] = samples[:-1, 0]
+    predicted[1:, 1:] = samples[1:, :-1]
+    out, acc, count = bytearray(), 0, 0
+    for diff in ((samples - predicted) % 65536).ravel().tolist():
+        diff = diff - 65536 if diff >= 32768 else diff
+        size = abs(diff).bit_length() if diff != -32768 else 16
+        extra = diff if diff >= 0 else diff + (1 << size) - 1
+        acc, count = (acc << 5) | size, count + 5  # symbol `size`: its 5-bit code is its value
+        if size and size < 16:
+            acc, count = (acc << size) | (extra & ((1 << size) - 1)), count + size
+        while count >= 8:
+            byte = (acc >> (count - 8)) & 0xFF
+            out += bytes([byte, 0]) if byte == 0xFF else bytes([byte])
+            count -= 8
+    if count:
+        byte = ((acc << (8 - count)) | ((1 << (8 - count)) - 1)) & 0xFF
+        out += bytes([byte, 0]) if byte == 0xFF else bytes([byte])
+
+    def segment(marker: int, body: bytes) -> bytes:
+        return bytes([0xFF, marker]) + (len(body) + 2).to_bytes(2, "big") + body
+
+    counts = bytes([0, 0, 0, 0, 17] + [0] * 11)  # 17 codes of 5 bits: symbols 0..16
+    dht = segment(0xC4, bytes([0x00]) + counts + bytes(range(17)))
+    sof = segment(0xC3, bytes([bits]) + height.to_bytes(2, "big") + width.to_bytes(2, "big") + bytes([channels])
+                  + b"".join(bytes([c + 1, 0x11, 0]) for c in range(channels)))
+    sos = segment(0xDA, bytes([channels]) + b"".join(bytes([c + 1, 0x00]) for c in range(channels)) + bytes([1, 0, 0]))
+    return b"\xff\xd8" + dht + sof + sos + bytes(out) + b"\xff\xd9"
+
+
+def test_jpeg_headers_that_lie_and_lossless_jpegs(tmp_path):
+    """A JPEG whose header declares 9999x9999 over 512x600 data is `truncated`, not a grey image of
+    that size; 8-bit lossless JPEGs (grey and colour) are decoded, to their exact pixels; a 16-bit
+    one, which no decoder here reads, is `unsupported` with what to do."""
+    import numpy as np
+    from PIL import Image
+
+    from pipeline import Detector, ImageError
+
+    data = bytearray((SAMPLES / "grace_hopper.jpg").read_bytes())
+    frame = data.find(b"\xff\xc0")
+    data[frame + 5:frame + 9] = (9999).to_bytes(2, "big") * 2
+    (tmp_path / "lies.jpg").write_bytes(bytes(data))
+    face = np.asarray(Image.open(SAMPLES / "astronaut.png").convert("RGB"))
+    (tmp_path / "lossless.jpg").write_bytes(lossless_jpeg(face))
+    (tmp_path / "lossless_grey.jpg").write_bytes(lossless_jpeg(face[:, :, 1]))
+    (tmp_path / "lossless16.jpg").write_bytes(lossless_jpeg(face[:64, :64, 0].astype(np.uint16) * 257, bits=16))
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "lossless.jpg")), face)  # the encoder is right
+    names = ["lies.jpg", "lossless.jpg", "lossless_grey.jpg", "lossless16.jpg"]
+    results = list(Detector.from_config(device="cpu").run([str(tmp_path / n) for n in names]))
+    reasons = [r.reason if isinstance(r, ImageError) else len(r.scores) for r in results]
+    assert reasons == ["truncated", 1, 1, "unsupported"], [getattr(r, "message", r) for r in results]
+    assert "9999x9999" in results[0].message and "convert it" in results[3].message
+
+
+def test_the_api_yields_what_a_failing_generator_gave_before_raising_its_error():
+    from pipeline import Detector
+
+    def photos():
+        yield from (str(p) for p in PHOTOS)
+        raise RuntimeError("the generator's own error")
+
+    detector = Detector.from_config(device="cpu", batch_size=2)
+    results = []
+    with pytest.raises(RuntimeError, match="the generator's own error"):
+        for result in detector.run(photos()):
+            results.append(result)
+    assert [r.index for r in results] == list(range(len(PHOTOS)))
+
+
+def test_a_folder_source_records_dangling_links_and_fifos_named_as_images(tmp_path):
+    """What a list records, a folder records too: a dangling link is `missing` (naming its target),
+    a FIFO `not_a_file`, never skipped without a word."""
+    source = images_in(tmp_path, 1)
+    (source / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    os.mkfifo(source / "pipe.jpg")
+    run = gpudet("detect", source, "--out", tmp_path / "o", "--device", "cpu", timeout=120)
+    assert run.returncode == 3, run.stderr[-2000:]
+    failed = {Path(e["path"]).name: e for e in read_jsonl(tmp_path / "o" / "errors.jsonl")}
+    assert {k: e["reason"] for k, e in failed.items()} == {"gone.jpg": "missing", "pipe.jpg": "not_a_file"}
+    assert "nowhere.jpg, which does not exist" in failed["gone.jpg"]["message"]
