@@ -38,8 +38,11 @@ from .preprocess import Preprocessor, preprocess_stream
 from .results import ImageError, ImageRef
 from .errors import SourceError
 from .session import SCALAR_INPUTS
-from .sinks import OutputFolder, pyarrow_parquet, read_complete_records
-from .source import EncodedImage, list_images, read_checked
+from .folder import OutputFolder
+from .job import record_stream
+from .formats import record_format
+from .sinks import read_complete_records
+from .source import EncodedImage, batched, list_images, read_checked
 from .timing import StageClock, process_seconds
 
 
@@ -124,8 +127,7 @@ def gpudet_passes(refs: list[ImageRef], detector: Detector, passes: int = 1, *, 
     fails stops the benchmark."""
     if warm_up:
         list(detector.stream(refs[:detector.batch_size], lambda errors: None))
-    if output_format == "parquet":  # pyarrow's import, once per process: not the first pass's
-        pyarrow_parquet()
+    record_format(output_format).load()  # pyarrow's import for Parquet, once per process: not the first pass's
     runs = []
     for _ in range(passes):
         clock = StageClock()
@@ -133,11 +135,7 @@ def gpudet_passes(refs: list[ImageRef], detector: Detector, passes: int = 1, *, 
                 GpuUtilisation(detector.device.index if detector.device.is_cuda else None) as gpu:
             start = time.perf_counter()
             with OutputFolder(tmp, output_format=output_format) as folder, folder.writing():
-                for batch, found in detector.stream(refs, folder.fail, clock=clock):
-                    with clock("write"):
-                        folder.record(batch, found, detector.labels)
-                with clock("write"):  # Parquet: the rows held since its last file
-                    folder.flush()
+                record_stream(detector, batched(refs, detector.batch_size), folder, clock=clock)
             seconds = time.perf_counter() - start
             failed = list(read_complete_records(folder.files[1]))
         t = folder.tally

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ._version import __version__
 from .errors import EXIT_OK, EXIT_SOME_FAILED, ConfigError, OutputError, OutputWriteError, catch_signals, \
-    end_command, ensure_standard_streams, guarded, setup_logging, signals_held, stderr_into_log
+    decoder_level, end_command, ensure_standard_streams, guarded, setup_logging, signals_held, stderr_into_log
 
 if TYPE_CHECKING:
     from .config import Config
@@ -170,27 +170,34 @@ def cmd_detect(args: argparse.Namespace) -> int:
 
 def _detect(args: argparse.Namespace, config: Config) -> int:
     with signals_held():
-        from .runner import run_detect
-    from .sinks import written_format
+        from .job import RunOptions, run_job
+    from .folder import written_format
 
-    progress = False if args.quiet else args.progress
     output_format = args.output_format or (args.resume and written_format(args.out)) or "jsonl"
-    options = dict(root=args.root, progress=progress, output_format=output_format, resume=args.resume,
-                   overwrite=args.overwrite, retry_failed=args.retry_failed)
+    options = RunOptions(out=args.out, root=args.root, progress=False if args.quiet else args.progress,
+                         output_format=output_format, resume=args.resume, overwrite=args.overwrite,
+                         retry_failed=args.retry_failed)
     if args.devices is not None:
-        from .parallel import parse_devices, run_on_devices
+        from .parallel import OnDevices, parse_devices
 
-        result = run_on_devices(args.source, args.out, config, parse_devices(args.devices), **options)
+        executor = OnDevices(parse_devices(args.devices))
     elif args.ray is not None:
-        from .distributed import run_on_ray
+        from .distributed import OnRay
 
-        result = run_on_ray(args.source, args.out, config, address=args.ray or None,
-                            workers=2 if args.workers is None else args.workers, **options)
+        executor = OnRay(args.ray or None, 2 if args.workers is None else args.workers,
+                         devices=[config.run.device, "cpu"])
     else:
-        result = run_detect(args.source, args.out, config, **options)
+        from .runner import InProcess
+
+        executor = InProcess([config.run.device])
+    result = run_job(args.source, config, options, executor)
     s = result.summary
-    for failure in s.get("failed_workers", []):
-        log.error("%s; what it wrote is kept, run again with --resume", failure)
+    if not s["interrupted"]:
+        for failure in s["failures"]:
+            log.error("%s; what was written is kept: run again with --resume", failure)
+        if s["not_recorded"]:
+            log.error("%s not recorded; what was written is kept: run again with --resume",
+                      counted(s["not_recorded"], "image"))
     keys = ("images", "already_done", "already_failed", "processed", "failed", "detections", "images_per_s",
             "interrupted")
     log.info("run finished", extra={"summary": {k: s[k] for k in keys}})
@@ -216,17 +223,22 @@ def counted(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
+SUMMARY_TIMES = ("wall", "startup", "total", "setup", "loop")
+"""summary.json's seconds that are not stages: from the command, its imports, this run, its setup,
+the loop after it (the rate's)."""
+
+
 def summary_table(s: dict) -> str:
     failed_before = f", {s['already_failed']} of them failed" if s.get("already_failed") else ""
     done = f" (+{s['already_done']} done before{failed_before})" if s["already_done"] else ""
     seconds = s["seconds"]
-    took = f"{seconds['wall']:.2f}s from the command" if "wall" in seconds else f"{seconds['total']:.2f}s"
-    setup = f"start {seconds['startup']:.2f}s + setup {seconds['setup']:.2f}s, then " if "setup" in seconds else ""
     found = counted(s["detections"], "detection")
     nothing_left = s["already_done"] == s["images"]
-    ran = "nothing left to process" if nothing_left else f"{setup}{s['images_per_s']} img/s on {s['device']}"
-    lines = [f"gpudet: {s['processed']}/{s['images']} images{done}, {found}, {s['failed']} failed in {took} ({ran})"]
-    stages = [f"{k} {v:.2f}s" for k, v in seconds.items() if k not in ("total", "wall", "startup", "setup")]
+    ran = "nothing left to process" if nothing_left else \
+        f"start {seconds['startup']:.2f}s + setup {seconds['setup']:.2f}s, then {s['images_per_s']} img/s on {s['device']}"
+    lines = [f"gpudet: {s['processed']}/{s['images']} images{done}, {found}, {s['failed']} failed in "
+             f"{seconds['wall']:.2f}s from the command ({ran})"]
+    stages = [f"{k} {v:.2f}s" for k, v in seconds.items() if k not in SUMMARY_TIMES]
     if stages and not nothing_left:
         lines.append("        stages: " + ", ".join(stages))
     for w in s.get("workers", []):
@@ -314,7 +326,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_draw(args: argparse.Namespace) -> int:
     from .coco import read_detections
     from .draw import draw_records, recorded_root
-    from .sinks import make_folder
+    from .folder import make_folder
 
     out = Path(args.out)
     records = read_detections(args.detections)
@@ -358,7 +370,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     with started_early(config):  # the model's first GPU run beside the imports below
         with signals_held():
             from .bench import format_report, report_json, run_bench
-            from .runner import decoder_level
 
         with stderr_into_log("library", decoder_level):  # the decoders' lines about bad files, at debug
             report = run_bench(args.source, config, limit=args.limit, iterations=args.iterations,

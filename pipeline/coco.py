@@ -140,26 +140,22 @@ def read_detections(path: str | Path) -> list[dict]:
     """The records gpudet detect wrote: a detections.jsonl, a detections.parquet folder (or one of
     its files), or the output folder that holds either. Anything else is an error naming the file
     (and, for JSONL, its first bad line)."""
-    from .sinks import DETECTIONS, parquet_files, path_of, read_parquet_file
+    from .layout import DETECTIONS
+    from .formats import format_of
 
     path = Path(path)
     if path.is_dir() and path.suffix != ".parquet":  # an output folder
-        path = next((path / name for name in DETECTIONS.values() if (path / name).exists()), path / "detections.jsonl")
-    if path.suffix == ".parquet" and path.exists():
-        records = []
-        for part in parquet_files(path) if path.is_dir() else [path]:  # none: a run where every image failed
-            try:
-                table = read_parquet_file(part, fix="remove it; `gpudet detect --resume` into its output folder then "
-                                                    "detects its images again")
-            except OutputError as e:  # the input of this command, not its output
-                raise ConfigError(str(e)) from None
-            if not {"path", "path_bytes", "detections"} <= set(table.column_names):
-                raise ConfigError(f"{part}: no 'path', 'path_bytes' and 'detections' columns; pass the "
-                                  "detections.parquet folder gpudet detect wrote")
-            records += table.to_pylist()
-        for record in records:  # as detections.jsonl holds it
-            record["path"] = path_of(record["path"], record.pop("path_bytes"))
-        return records
+        path = next((path / name for name in DETECTIONS.values() if (path / name).exists()), path / DETECTIONS["jsonl"])
+    kind = format_of(path)
+    if kind is None or not path.exists():
+        what = "does not exist" if not path.exists() else "is not detections.jsonl, detections.parquet or an output folder"
+        raise ConfigError(f"{path} {what}; pass the detections.jsonl (or detections.parquet) that gpudet detect wrote, "
+                          "or its output folder")
+    try:  # the input of this command, not its output: a bad one is a usage error
+        return list(kind.read(path, fix="remove it; `gpudet detect --resume` into its output folder then detects its "
+                                        "images again"))
+    except OutputError as e:
+        raise ConfigError(str(e)) from None
     if not path.is_file():
         raise ConfigError(f"{path} does not exist; pass the detections.jsonl (or detections.parquet) that gpudet "
                           "detect wrote, or its output folder")

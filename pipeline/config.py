@@ -37,8 +37,10 @@ class ModelConfig:
     cpu_path: str | None = None
     """The ONNX file for a run on the CPU, where another build of the same network is faster (the
     default config: float32 there, float16 on a GPU); None: `path` everywhere. --model sets both."""
-    contract: Literal["auto", "end_to_end", "ssd_heads", "retinanet_heads"] = "auto"
-    """How outputs are read (README, "Model contract"); auto recognises it from the output names."""
+    contract: str = "auto"
+    """How outputs are read (docs/MODELS.md, "The model contract"): auto recognises it from the
+    outputs; or a contract's name (pipeline/contracts/: end_to_end, ssd_heads, retinanet_heads, ...),
+    or `module:Class` of a contract of your own."""
     labels: tuple[str, ...] = ("face",)
     """Class names, indexed by the model's label output (or label 0 when it has none)."""
     landmarks: int = 5

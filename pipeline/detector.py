@@ -26,10 +26,10 @@ import torch
 
 from .config import Config, check_thresholds, load_config, option_overrides
 from .device import Device, free_bytes, resolve_device
-from .engine import ORT_TO_TORCH, Engine, Launched, detect_contract, landmark_points, model_record
+from .contracts import Contract, recognise
+from .engine import ORT_TO_TORCH, Engine, Launched
 from .errors import ConfigError
-from .postprocess import BadModelOutput, DeviceDetections, EndToEnd, GraphCache, RetinaNetHeads, SsdHeads, Thresholds, \
-    image_meta
+from .postprocess import BadModelOutput, DeviceDetections, GraphCache, Thresholds, image_meta
 from .preprocess import PreprocessedBatch, Preprocessor, preprocess_stream
 from .results import Detections, ImageError, ImageRef, ImageResult
 from .session import drop_started, engine_arguments
@@ -37,8 +37,6 @@ from .source import FLUSH, EncodedImage, Item, PixelImage, as_item, batched, lis
 from .timing import StageClock
 
 log = logging.getLogger("gpudet")
-
-Postprocess = EndToEnd | SsdHeads | RetinaNetHeads
 
 
 class Detector:
@@ -49,7 +47,7 @@ class Detector:
     ...     print(result.path, len(result.scores))
     """
 
-    def __init__(self, *, engine: Engine, preprocessor: Preprocessor, postprocess: Postprocess,
+    def __init__(self, *, engine: Engine, preprocessor: Preprocessor, postprocess: Contract,
                  thresholds: Thresholds, labels: list[str], contract: str, num_threads: int = 4,
                  max_pixels: int = 0, max_file_bytes: int = 0, max_batch_pixels: int = 0, prefetch_batches: int = 2,
                  config: Config | None = None):
@@ -96,8 +94,7 @@ class Detector:
             log.info("%s takes batches of exactly %d images: run.batch_size %d -> %d", engine.model_path.name,
                      engine.declared_batch, r.batch_size, engine.declared_batch)
             config = dataclasses.replace(config, run=dataclasses.replace(r, batch_size=engine.declared_batch))
-        contract = detect_contract(engine.outputs, m.contract, engine.model_path)
-        landmarks = landmark_points(engine.outputs, m.landmarks, engine.model_path)
+        contract = recognise(engine.outputs, m.contract, engine.model_path)
         image = engine.image_input
         if image.size_hw is not None and tuple(image.size_hw) != tuple(p.size):  # the records would name p.size
             h, w = image.size_hw
@@ -107,15 +104,7 @@ class Detector:
         height, width = image.size_hw or tuple(p.size)
         check_memory(target, batch_size=config.run.batch_size, height=height, width=width,
                      value_bytes=2 if image.dtype == "float16" else 4, batches=r.prefetch_batches + r.pipeline_depth)
-        if contract == "end_to_end":
-            postprocess = EndToEnd(num_landmarks=landmarks)
-        elif contract == "ssd_heads":
-            postprocess = SsdHeads(strides=m.anchor_strides, sizes=m.anchor_sizes, variances=m.box_variances,
-                                   pre_nms_top_k=q.pre_nms_top_k, input_hw=(height, width), num_landmarks=landmarks,
-                                   device=target.torch, compile=q.compile)
-        else:
-            postprocess = RetinaNetHeads.from_metadata(engine.metadata, engine.model_path, target.torch,
-                                                       compile=q.compile)
+        postprocess = contract.from_config(engine.model, config, device=target.torch, input_hw=(height, width))
         # its GPU kernels compile on a thread while DALI builds its pipeline and ORT warms up
         postprocess.compile_ahead({o.name: (ORT_TO_TORCH.get(o.dtype), o.shape) for o in engine.outputs})
         preprocessor = Preprocessor(
@@ -124,7 +113,7 @@ class Detector:
             dtype=image.dtype, layout=image.layout, decoder=p.decoder, hw_decoder_load=p.hw_decoder_load,
             # On the GPU a new batch shape costs a cuDNN search; a static-batch model takes no other.
             pad_partial_batches=target.is_cuda or image.batch is not None)
-        return cls(engine=engine, preprocessor=preprocessor, postprocess=postprocess, contract=contract,
+        return cls(engine=engine, preprocessor=preprocessor, postprocess=postprocess, contract=contract.name,
                    thresholds=Thresholds(q.score_threshold, q.iou_threshold, q.max_detections), labels=m.labels,
                    num_threads=r.num_threads, max_pixels=p.max_pixels, max_file_bytes=p.max_file_mb << 20,
                    max_batch_pixels=p.max_batch_pixels, prefetch_batches=r.prefetch_batches, config=config)
@@ -132,7 +121,7 @@ class Detector:
     def describe(self) -> dict:
         """What runs: the model file (path, sha256), its contract, inputs and outputs, ORT's providers."""
         engine = self.engine
-        return {**model_record(self.model_path, self.contract, engine.inputs, engine.outputs),
+        return {**engine.model.record(self.contract),
                 "providers": engine.session.get_providers()}
 
     def stream(self, items: Iterable[object], on_error: Callable[[list[ImageError]], None], *,
@@ -212,7 +201,7 @@ class Detector:
         that takes them as inputs, and, for the heads postprocess on a GPU, its CUDA graphs for them
         captured now, while nothing else runs on the GPU (as at setup)."""
         check_thresholds(thresholds.score_threshold, thresholds.iou_threshold, thresholds.max_detections)
-        if isinstance(self.postprocess, EndToEnd) and thresholds.iou_threshold != self.thresholds.iou_threshold \
+        if self.postprocess.own_nms and thresholds.iou_threshold != self.thresholds.iou_threshold \
                 and "iou_threshold" not in {s.name for s in self.engine.inputs}:
             raise ConfigError(f"iou_threshold: {self.model_path.name} runs its own NMS at an IoU of its own (it has "
                               "no iou_threshold input); leave iou_threshold unset for this model")
@@ -312,7 +301,7 @@ class Detector:
     def _warm_up_postprocess(self, thresholds: Thresholds) -> None:
         """The heads postprocess on a GPU once per output slot with `thresholds`: its compile and its
         CUDA graphs for them happen now (GraphCache keeps those of the last few thresholds)."""
-        if not self.overlap or isinstance(self.postprocess, EndToEnd):
+        if not self.overlap or not self.postprocess.captured:
             return
         n, size_hw = self.batch_size, (self.preprocessor.height, self.preprocessor.width)
         for slot in range(self.engine.slots):

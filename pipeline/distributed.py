@@ -22,23 +22,24 @@ import logging
 import math
 import queue
 import re
-import sys
 import threading
 import time
 import uuid
 from concurrent.futures import Future
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 import numpy as np
 
-from .config import Config, resolve_model_path
-from .errors import (EXIT_INTERNAL, ConfigError, GpudetError, catch_signals, signals_held,
-                     stderr_into_log)
-from .results import ImageError, ImageRef
-from .sinks import SHARDS, OutputFolder, RunResult
-from .source import FLUSH, batched, list_images
+from .config import Config
+from .errors import ConfigError, GpudetError, catch_signals, signals_held, stderr_into_log
+from .folder import OutputFolder
+from .job import Outcome, RunOptions, record_stream
+from .layout import SHARDS
+from .results import ImageRef
+from .source import FLUSH, batched
+from .timing import StageClock
 
 log = logging.getLogger("gpudet")
 SHARD_PREFIX = "ray-"
@@ -117,16 +118,13 @@ class DetectActor:
                     raise
                 done.set_result(rows)
 
-        def failed(errors: list[ImageError]) -> None:
-            self.shard.fail(errors)
-            for error in errors:
-                recorded(error.index, False, 0)
+        def rows_recorded(rows) -> None:
+            for row in rows:
+                recorded(row.index, row.processed, row.detections)
 
         try:
             with self.shard.writing():
-                for batch, found in self.detector.stream_batches(batches(), failed):
-                    for row in self.shard.record(batch, found, self.detector.labels):
-                        recorded(row.index, True, row.detections)
+                record_stream(self.detector, batches(), self.shard, clock=StageClock(), on_rows=rows_recorded)
         except BaseException as e:  # the actor cannot go on: every request, waiting or queued, fails with the reason
             with self.lock:
                 self.failure = e
@@ -138,63 +136,43 @@ class DetectActor:
                     done.set_exception(e)
 
 
-def check_before_starting(config: Config) -> dict:
-    """The models the actors may load (a GPU's, and the CPU's where the config names one),
-    checked on this machine before any actor starts, so that a bad one fails here in one line,
-    not in every actor: the summary of the one a GPU actor loads."""
-    from .modelinfo import model_summary
+@dataclass
+class OnRay:
+    """The executor of `gpudet detect --ray [ADDRESS] --workers N` (job.Executor): an actor pool
+    on a Ray cluster (a local one when no address is given). Its models are checked for the GPU
+    and the CPU: an actor may land on either."""
 
-    on_cpu = model_summary(resolve_model_path(config, on_cpu=True), config.model.contract)
-    return on_cpu if config.run.device == "cpu" else model_summary(resolve_model_path(config), config.model.contract)
+    address: str | None
+    workers: int
+    devices: list[str]
+    gpus_per_worker: float | None = None
 
+    def __post_init__(self):
+        if self.workers < 1:
+            raise ConfigError(f"--workers {self.workers}: give at least 1 detector actor")
+        try:
+            with signals_held():
+                import ray  # noqa: F401
+        except ImportError:
+            raise ConfigError("--ray needs Ray Data: pip install 'gpudet[ray]' (or 'ray[data]')") from None
 
-def run_on_ray(source: str, out_dir: str | Path, config: Config, *, address: str | None = None, workers: int = 2,
-               gpus_per_worker: float | None = None, root: str | None = None, progress: bool | None = None,
-               output_format: str = "jsonl", resume: bool = False, overwrite: bool = False,
-               retry_failed: bool = False) -> RunResult:
-    """`gpudet detect --ray [ADDRESS] --workers N`: an actor pool on a Ray cluster (a local one
-    when no address is given)."""
-    try:
-        with signals_held():
-            import ray
-    except ImportError:
-        raise ConfigError("--ray needs Ray Data: pip install 'gpudet[ray]' (or 'ray[data]')") from None
-    if workers < 1:
-        raise ConfigError(f"--workers {workers}: give at least 1 detector actor")
-    model = check_before_starting(config)
-    show = sys.stderr.isatty() if progress is None else progress  # before Ray's messages are taken off stderr
-    with OutputFolder(out_dir, output_format=output_format, resume=resume, overwrite=overwrite,
-                      retry_failed=retry_failed) as folder:
-        started_at, started = datetime.now(timezone.utc), time.perf_counter()
-        shards = folder.path / SHARDS
-        refs = list_images(source, root=root)
-        todo = folder.begin(refs, config.result_settings())
+    def run(self, folder: OutputFolder, todo: list[ImageRef], *, source: str, images: int, config: Config,
+            options: RunOptions) -> Outcome:
+        import ray
+
+        started, show = time.perf_counter(), options.show_progress  # before Ray's messages are taken off stderr
         folder.started()  # the actors write into its shards from here
-        failure, streaming, gpus = None, 0.0, gpus_per_worker
-        if todo:
-            try:
-                streaming, gpus, failure = run_actors(ray, todo, config, folder.format, shards, address, workers,
-                                                      gpus, show)
-            except KeyboardInterrupt:  # what the actors wrote stays in their shards; --resume goes on
-                folder.tally.interrupted = True
-        owned = {r.index for r in todo}
-        folder.merge(lambda row: folder.tally.count(row) if row.index in owned else None)
-        elapsed = time.perf_counter() - started
-        missing = len(todo) - folder.tally.processed - folder.tally.failed
-        actors = f"{workers} actor" + ("" if workers == 1 else "s")
-        summary = folder.write_summary(
-            source=str(source), images=len(refs), todo=len(todo), device=f"ray ({actors})",
-            # stream: from the first image an actor took to the last row back, the rate once the actors run
-            seconds={"total": elapsed, "stream": streaming}, loop_seconds=streaming or elapsed, started=started_at,
-            model=model,
-            config=config.to_dict(),
-            extra={"ray": address or "local", "actors": workers, "gpus_per_actor": gpus, "not_recorded": missing})
-        if not (failure or missing or folder.tally.interrupted):  # every image recorded: no actor writes any more
-            folder.drop_shards()
-    if (failure or missing) and not folder.tally.interrupted:  # interrupted: Tally.exit_code says 130
-        raise RayJobError(f"the Ray job ended with {missing} images not recorded ({failure or 'see the Ray log'}); "
-                          "what the actors wrote is kept: run again with --resume")
-    return RunResult(summary, folder.tally.exit_code)
+        failure, streaming, gpus = None, 0.0, self.gpus_per_worker
+        try:
+            streaming, gpus, failure = run_actors(ray, todo, config, folder.format, folder.path / SHARDS, self.address,
+                                                  self.workers, gpus, show)
+        except KeyboardInterrupt:  # what the actors wrote stays in their shards; --resume goes on
+            folder.tally.interrupted = True
+        total = time.perf_counter() - started
+        actors = f"{self.workers} actor" + ("" if self.workers == 1 else "s")
+        return Outcome(device=f"ray ({actors})", setup_s=total - streaming if streaming else 0.0, counted=False,
+                       failures=lambda: [f"the Ray job gave up: {failure}"] if failure else [],
+                       extra=lambda: {"ray": self.address or "local", "actors": self.workers, "gpus_per_actor": gpus})
 
 
 def run_actors(ray, todo: list[ImageRef], config: Config, output_format: str, shards: Path, address: str | None,
@@ -219,12 +197,6 @@ def run_actors(ray, todo: list[ImageRef], config: Config, output_format: str, sh
 
 class RayStartError(GpudetError):
     """Ray could not be started or reached."""
-
-
-class RayJobError(GpudetError):
-    """The Ray job did not record every image; --resume continues it."""
-
-    exit_code = EXIT_INTERNAL
 
 
 def ray_batch(batch_size: int, images: int, workers: int) -> int:

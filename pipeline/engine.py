@@ -38,7 +38,6 @@ engine's stream would not wait for them.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections.abc import Callable
@@ -52,7 +51,7 @@ import torch
 
 from .device import Device
 from .errors import GpuOutOfMemory, ModelError
-from .session import (SCALAR_INPUTS, TensorSpec, bind_scalars, describe_io, open_session, session_key,
+from .session import (SCALAR_INPUTS, TensorSpec, bind_scalars, open_session, session_key,
                       take_started)
 
 ORT_TO_TORCH = {
@@ -132,9 +131,9 @@ class Engine:
         self.session, self.cuda_options, self.cuda_graph = opened.session, opened.cuda_options, opened.cuda_graph
         self.declared_batch = opened.declared_batch
         """The batch size the model itself fixes (None: any); image_input.batch also counts batch_size."""
-        self.inputs, self.outputs, self.image_input = opened.inputs, opened.outputs, opened.image_input
-        self.metadata: dict[str, str] = dict(self.session.get_modelmeta().custom_metadata_map)
-        """The model's metadata_props (a retinanet_heads model keeps its anchor layout there)."""
+        self.model = opened.model
+        """What the model declares as opened: inputs, outputs, metadata."""
+        self.inputs, self.outputs, self.image_input = opened.model.inputs, opened.model.outputs, opened.image_input
         self._batch_dim = next(s.shape[0] for s in self.inputs if s.name == self.image_input.name)
         self.binding = self.session.io_binding()
         self._static_buffers: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -365,54 +364,6 @@ class Launched:
         if self.started is None or not self.finished.query():
             return None
         return self.started.elapsed_time(self.finished) / 1000
-
-
-# Output contracts: name -> (required outputs, optional outputs), each name -> rank. Ranks are what
-# recognising a contract checks; names are how the outputs are found (README, "Model contract").
-CONTRACTS = {
-    "end_to_end": ({"boxes": 2, "scores": 1, "batch_index": 1}, {"labels": 1, "landmarks": 2}),
-    "ssd_heads": ({"loc": 3, "conf": 3}, {"landmarks": 3}),
-    "retinanet_heads": ({"cls_logits": 3, "bbox_regression": 3}, {}),
-}
-
-
-def model_record(path: Path, contract: str, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> dict:
-    """What summary.json says of a model: its file (path, sha256), contract, inputs and outputs."""
-    return {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "contract": contract,
-            "inputs": [s.describe() for s in inputs], "outputs": [s.describe() for s in outputs]}
-
-
-def detect_contract(outputs: list[TensorSpec], requested: str, model_path: Path) -> str:
-    """Which output contract the model follows; `requested` is the config's model.contract."""
-    by_name = {s.name: s for s in outputs}
-
-    def fits(required: dict, optional: dict) -> bool:
-        return all(n in by_name and len(by_name[n].shape) == r for n, r in required.items()) and all(
-            len(by_name[n].shape) == r for n, r in optional.items() if n in by_name)
-
-    for name, (required, optional) in CONTRACTS.items():
-        if requested in ("auto", name) and fits(required, optional):
-            return name
-    expected = "; ".join(
-        f"{name}: " + ", ".join(f"{n} (rank {r})" for n, r in required.items()) +
-        (", optional " + ", ".join(f"{n} (rank {r})" for n, r in optional.items()) if optional else "")
-        for name, (required, optional) in CONTRACTS.items() if requested in ("auto", name))
-    raise ModelError(f"{model_path}: outputs do not fit the {requested} contract. Found: {describe_io(outputs)}. "
-                     f"Expected {expected}.")
-
-
-def landmark_points(outputs: list[TensorSpec], requested: int, model_path: Path) -> int:
-    """Landmark points per detection: model.landmarks when the model has a `landmarks` output
-    (checked against its width, 2 values a point, where that is static), else 0."""
-    spec = next((s for s in outputs if s.name == "landmarks"), None)
-    if spec is None:
-        return 0
-    width = spec.shape[-1]
-    if isinstance(width, int) and width != 2 * requested:
-        raise ModelError(f"model.landmarks: {requested} points per detection, but {model_path.name}'s output "
-                         f"{spec.describe()} holds {width} values ({width // 2} points of x, y); set "
-                         f"model.landmarks: {width // 2}")
-    return requested
 
 
 def is_out_of_memory(error: Exception) -> bool:

@@ -299,3 +299,27 @@ def guarded(run: Callable[[], int]) -> int:
         traceback.print_exc()
         log.error("internal error (exit 1); please report it with the traceback above")
         return EXIT_INTERNAL
+
+
+DECODER_NOISE = re.compile(
+    r"libjpeg|libpng|_parser\]|_decoder\]|\bTIFF[A-Z]\w*:|OpenCV TIFF|"
+    # OpenCV's image readers (imdecode_, grfmt_png.cpp, ...: what DALI's CPU decoders print) and libtiff's
+    r"\bimdecode_|\bgrfmt_\w+\.cpp|\bloadsave\.cpp|OpenJPEG|Input file read error|Bogus \"StripByteCounts\"|"
+    # libtiff writes its module's name apart from its message: under load a line may hold the message alone
+    r"Read error (at scanline|on strip|at row)|"
+    # libtiff's warnings end with a ".\n" written apart: alone on a line when another decoding thread writes between
+    r"^\.$|"
+    # libjpeg's messages about a file's data (its jerror.h), which it prints with no prefix
+    r"Corrupt JPEG|Premature end of (JPEG|input) file|JPEG datastream|Invalid JPEG file structure|Not a JPEG file|"
+    r"Unsupported JPEG|Empty JPEG image|Empty input file|JFIF revision|Unsupported marker|Invalid component ID|"
+    r"Bogus (Huffman|marker|sampling|JPEG colorspace|DAC|DHT|DQT)|(Huffman|Quantization|Arithmetic) table|"
+    r"Huffman code|Invalid SOS parameters|Inconsistent progression|Invalid progressive parameters|"
+    r"Sampling factors too large|DCT coefficient out of range|Too many color components|"
+    r"Maximum supported image dimension|Unknown Adobe color transform|more than one scan|Image too wide")
+"""What image decoders print about a bad file: libjpeg's, libpng's and libtiff's lines (OpenCV's
+too), DALI's nvImageCodec parsers' and decoders' ([jpeg_parser], [png_parser], [..._decoder])."""
+
+
+def decoder_level(line: str) -> int:
+    """Debug for what image decoders print about a bad file, a warning for anything else."""
+    return logging.DEBUG if DECODER_NOISE.search(line) else logging.WARNING

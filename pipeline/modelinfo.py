@@ -12,35 +12,12 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from .contracts import recognise
+from .contracts.retinanet_heads import RETINANET_METADATA
 from .device import cuda_problem
-from .engine import ORT_TO_TORCH, TORCH_TO_NUMPY, detect_contract, model_record
+from .engine import ORT_TO_TORCH, TORCH_TO_NUMPY
 from .errors import ModelError
-from .postprocess import RETINANET_METADATA
-from .session import TensorSpec, check_external_data, find_image_input, not_a_model
-
-
-def declared_io(model_path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """The model's inputs and outputs as declared (symbolic dims kept), from an unoptimized CPU
-    session; ModelError, one line, where ONNX Runtime cannot load it."""
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    try:
-        session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
-    except Exception as e:  # ORT raises several types for unreadable or invalid models
-        raise ModelError(f"{model_path}: ONNX Runtime cannot load it: {' '.join(str(e).split())[:400]}") from None
-    return ([TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_inputs()],
-            [TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_outputs()])
-
-
-def model_summary(path: Path, contract: str = "auto") -> dict:
-    """What summary.json says of a model (engine.model_record), read without running it; contract:
-    the config's model.contract. A model gpudet cannot use raises ModelError (unreadable, external
-    data outside its folder, no contract)."""
-    check_external_data(path)
-    inputs, outputs = declared_io(path)
-    find_image_input(inputs, path)
-    return model_record(path, detect_contract(outputs, contract, path), inputs, outputs)
+from .session import declared, find_image_input, not_a_model
 
 
 def cuda_placement(model_path: Path, size_hw: tuple[int, int] | None, *, device_index: int = 0,
@@ -51,8 +28,7 @@ def cuda_placement(model_path: Path, size_hw: tuple[int, int] | None, *, device_
     trip when its input lives on the GPU). ORT 1.31 names them neither in its saved optimized
     model nor in its log. Symbolic image height/width become size_hw, as in the pipeline; other
     symbolic dims 1."""
-    inputs, _ = declared_io(model_path)
-    image = find_image_input(inputs, model_path)
+    image = find_image_input(declared(model_path).inputs, model_path)
     hw_axes = (2, 3) if image.layout == "NCHW" else (1, 2)
     with tempfile.TemporaryDirectory() as tmp:
         options = ort.SessionOptions()
@@ -85,12 +61,12 @@ def inspect_model(path: str | Path, *, size_hw: tuple[int, int] | None = (640, 6
     if not path.is_file():
         what = "a folder" if path.is_dir() else "no such file"
         raise ModelError(f"{path}: {what}; give the path of an ONNX model file")
-    check_external_data(path)
+    io = declared(path)
+    inputs, outputs = io.inputs, io.outputs
     try:
         model = onnx.load(str(path), load_external_data=False)
-    except Exception as e:  # check_external_data read it: only a file that changed since
+    except Exception as e:  # declared() read it: only a file that changed since
         raise not_a_model(path, e) from None
-    inputs, outputs = declared_io(path)
     info = {
         "path": str(path), "ir_version": model.ir_version,
         "opset": {d.domain or "ai.onnx": d.version for d in model.opset_import},
@@ -113,7 +89,9 @@ def inspect_model(path: str | Path, *, size_hw: tuple[int, int] | None = (640, 6
                              "anchors_per_cell": len(layout["cell_anchors"][0]),
                              "classes": layout["num_classes"], "topk_per_level": layout["topk_candidates"]}
     try:
-        info["contract"] = detect_contract(outputs, "auto", path)
+        contract = recognise(outputs, "auto", path)
+        info["contract"] = contract.name
+        info["recognised_by"] = "its outputs " + ", ".join(f"{n} (rank {r})" for n, r in contract.outputs.items())
     except ModelError as e:
         info["contract"] = f"none: {e}"
     if cuda_problem(0) is None and isinstance(info["image_input"], dict):
@@ -130,7 +108,8 @@ def format_info(info: dict) -> str:
     lines += [f"input      {s}" for s in info["inputs"]] + [f"output     {s}" for s in info["outputs"]]
     image = info["image_input"]  # a dict, or why the model has no image input
     lines.append("image      " + (", ".join(f"{k} {v}" for k, v in image.items()) if isinstance(image, dict) else image))
-    lines.append(f"contract   {info['contract']}")
+    lines.append(f"contract   {info['contract']}" + (f", recognised by {info['recognised_by']}"
+                                                    if "recognised_by" in info else ""))
     if "retinanet" in info:
         r = info["retinanet"]
         lines.append(f"anchors    {len(r['grids'])} levels, grids {r['grids']}, strides {r['strides']}, "

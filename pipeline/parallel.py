@@ -8,15 +8,16 @@ and ORT session on its share of the images, merged into the usual output files.
 The shards are removed once merged, when every image of the run is recorded; a run interrupted, or
 with a worker that failed, keeps them for --resume.
 
-The parent lists the images, takes out those already recorded (--resume), deals the rest
-round-robin to the workers (`todo[k::n]`, so every input goes to exactly one), starts them
-(spawn: CUDA cannot be forked), shows one progress bar from the shard files, and merges when all
-have stopped. A worker that dies (a signal: killed, or aborted by a CUDA fault) is started again
-on its images not yet recorded (run.worker_restarts). A worker that fails otherwise is reported with
-its device and exit code; what it wrote is merged and a --resume picks up the rest. The
-summary's counts are read from the merged records, so a process that died is counted too. Ctrl-C
-or SIGTERM to the parent stops the workers (each ends its batch), merges what they wrote and
-exits 130.
+The job (job.run_job) lists the images and takes out those already recorded; this executor deals
+the rest round-robin to the workers (`todo[k::n]`, so every input goes to exactly one), starts
+them (spawn: CUDA cannot be forked), and shows one progress bar from the shard files until all
+have stopped; the job merges them. A worker that dies (a signal: killed, or aborted by a CUDA
+fault) is started again on its images not yet recorded (run.worker_restarts). A worker that
+fails otherwise is reported with its device and exit code; what it wrote is merged and a
+--resume picks up the rest. The summary's counts are read from the merged records, so a process
+that died is counted too. Ctrl-C or SIGTERM to the parent stops the workers (each ends its
+batch), and what they wrote is merged (exit 130). Workers die with the parent, even after
+kill -9, and hold the output folder's lock with it.
 """
 
 from __future__ import annotations
@@ -40,9 +41,13 @@ from typing import Any
 from .config import Config
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, STOP_SIGNALS, DeviceError, \
     DroppingWrites, guarded, logging_settings, setup_logging, signals_held
+from .folder import OutputFolder, Tally, recorded, result_paths
+from .job import Outcome, RunOptions
+from .layout import SHARDS
 from .results import ImageRef
-from .sinks import SHARDS, OutputFolder, RunResult, Row, Tally, recorded, records_in, result_paths
-from .source import list_images
+from .formats import RecordFormat
+from .sinks import Row, lines_in
+from .timing import process_seconds
 
 log = logging.getLogger("gpudet")
 
@@ -107,31 +112,35 @@ def die_with(parent: int) -> None:
 
 def _worker(todo: list[ImageRef], shard: str, config: Config, output_format: str, source: str, images: int,
             logging_setup: tuple[str, bool], parent: int, lock: InheritedFd) -> None:
-    """One worker process: the single-device run over its share, appended to its shard; exit
-    code as `gpudet detect`'s. It logs as the parent does; it stops on SIGTERM, which the parent
-    sends when it is stopped (a terminal's Ctrl-C or hangup, which reaches every process of the
-    group, is left to the parent, so that a worker is asked once), and dies with its parent
-    (`die_with`). It holds the output folder's lock with the parent (`lock`)."""
+    """One worker process: the single-device run over its share, appended to its shard, with the
+    shard's own summary; exit code as `gpudet detect`'s. It logs as the parent does; it stops on
+    SIGTERM, which the parent sends when it is stopped (a terminal's Ctrl-C or hangup, which
+    reaches every process of the group, is left to the parent, so that a worker is asked once),
+    and dies with its parent (`die_with`). It holds the output folder's lock with the parent (`lock`)."""
     die_with(parent)
     setup_logging(*logging_setup)
 
     def run() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        # SIGINT and SIGTERM stay held, as the parent held them when it started this process, while
+        # The stop signals stay held, as the parent held them when it started this process, while
         # session.start_early starts the engine's thread (which opens the model's session and makes
         # its first run on the GPU, and so never takes them); detect_into holds them again while
         # torch, DALI and Triton load beside that work.
         from .session import started_early
 
         with started_early(config):
+            from .job import finish
             from .runner import detect_into
 
+            started_at, startup_s, t0 = datetime.now(timezone.utc), process_seconds(), time.perf_counter()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
             # Parquet rows written every 2 s: the parent's progress bar reads the shard's files, and
             # restarts a worker that died only if it had recorded images.
             with OutputFolder(shard, output_format=output_format, resume=True, flush_s=2.0) as folder:
-                return detect_into(folder, todo, config, source=source, images=images, progress=False).exit_code
+                outcome = detect_into(folder, todo, config, progress=False)
+                return finish(folder, todo, outcome, source=source, images=images, config=config, model=None,
+                              started_at=started_at, startup_s=startup_s, t0=t0).exit_code
 
     def quiet_when_stopped() -> int:
         try:
@@ -160,99 +169,93 @@ class Worker:
     """What the merge found of its share."""
 
 
-def run_on_devices(source: str, out_dir: str | Path, config: Config, devices: list[str], *, root: str | None = None,
-                   progress: bool | None = None, output_format: str = "jsonl", resume: bool = False,
-                   overwrite: bool = False, retry_failed: bool = False) -> RunResult:
-    """`gpudet detect --devices ...`: one worker per device, results merged into out_dir."""
-    from .config import resolve_model_path
-    from .session import check_external_data
+@dataclass
+class OnDevices:
+    """The executor of `gpudet detect --devices` (job.Executor): one worker process per device."""
 
-    # The models the workers load, read here first: a file that is missing or no ONNX model is one
-    # line before the output folder changes, not a failure of every worker after it.
-    for on_cpu in sorted({device == "cpu" for device in devices}):  # a CPU worker loads model.cpu_path, if set
-        check_external_data(resolve_model_path(config, on_cpu=on_cpu))
-    with OutputFolder(out_dir, output_format=output_format, resume=resume, overwrite=overwrite,
-                      retry_failed=retry_failed) as folder:
-        return _run_on_devices(folder, source, config, devices, root=root, progress=progress)
+    devices: list[str]
 
+    def run(self, folder: OutputFolder, todo: list[ImageRef], *, source: str, images: int, config: Config,
+            options: RunOptions) -> Outcome:
+        """The workers started on their shares of `todo`, each into its shard, restarted where they
+        die, waited for; Ctrl-C or SIGTERM stops them (each ends its batch). The merge (job.finish)
+        counts what each recorded."""
+        started = time.perf_counter()
+        shards = [folder.path / SHARDS / str(k) for k in range(len(self.devices))]
+        folder.started()  # the workers write into its shards from here
+        context = multiprocessing.get_context("spawn")
 
-def _run_on_devices(folder: OutputFolder, source: str, config: Config, devices: list[str], *, root: str | None,
-                    progress: bool | None) -> RunResult:
-    started_at, started = datetime.now(timezone.utc), time.perf_counter()
-    refs = list_images(source, root=root)
-    todo = folder.begin(refs, config.result_settings())
-    shards = [folder.path / SHARDS / str(k) for k in range(len(devices))]
-    folder.started()  # the workers write into its shards from here
-    context = multiprocessing.get_context("spawn")
+        def start(worker: Worker, share: list[ImageRef]) -> None:
+            (worker.shard / "summary.json").unlink(missing_ok=True)  # each process writes its own
+            worker_config = replace(config, run=replace(config.run, device=worker.device))
+            worker.process = context.Process(target=_worker, name=f"gpudet-worker{worker.shard.name}-{worker.device}",
+                                             args=(share, str(worker.shard), worker_config, folder.format, source,
+                                                   images, logging_settings(), os.getpid(),
+                                                   InheritedFd(folder.lock_fd)))
+            worker.left = len(share)
+            # The worker inherits the stop signals blocked (they would break its imports of torch,
+            # DALI and ORT) and unblocks them once its handlers are in place; one sent meanwhile
+            # waits. The resource tracker is started first: starting, it unblocks them in this thread.
+            resource_tracker.ensure_running()
+            with signals_held():
+                worker.process.start()
 
-    def start(worker: Worker, images: list[ImageRef]) -> None:
-        (worker.shard / "summary.json").unlink(missing_ok=True)  # each process writes its own
-        worker_config = replace(config, run=replace(config.run, device=worker.device))
-        worker.process = context.Process(target=_worker, name=f"gpudet-worker{worker.shard.name}-{worker.device}",
-                                         args=(images, str(worker.shard), worker_config, folder.format,
-                                               str(source), len(refs), logging_settings(), os.getpid(),
-                                               InheritedFd(folder.lock_fd)))
-        worker.left = len(images)
-        # The worker inherits SIGINT and SIGTERM blocked (they would break its imports of torch, DALI
-        # and ORT) and unblocks them once its handlers are in place; one sent meanwhile waits. The
-        # resource tracker is started first: starting, it unblocks both in this thread.
-        resource_tracker.ensure_running()
-        with signals_held():
-            worker.process.start()
+        def restarted(worker: Worker) -> bool:
+            """After its process ended: start it again on the share's unrecorded images, if it died
+            (killed by a signal) having recorded some, restarts left (run.worker_restarts)."""
+            code = worker.process.exitcode
+            worker.exit_codes.append(code)
+            if code >= 0 or worker.restarts_left == 0:
+                return False
+            # Reading the shard cuts a torn last line (a kill mid-write) off, so the next run appends whole lines.
+            done = set().union(*recorded(result_paths(worker.shard, folder.kind), todo, folder.kind))
+            left = [r for r in worker.share if r.index not in done]
+            if not left or len(left) == worker.left:
+                return False
+            worker.restarts_left -= 1
+            log.warning("worker %s on %s died (exit code %d) after recording %d of its images; starting it again on "
+                        "the %d left (run.worker_restarts: %d more)", worker.shard.name, worker.device, code,
+                        worker.left - len(left), len(left), worker.restarts_left)
+            start(worker, left)
+            return True
 
-    def restarted(worker: Worker) -> bool:
-        """After its process ended: start it again on the share's unrecorded images, if it died
-        (killed by a signal) having recorded some, restarts left (run.worker_restarts)."""
-        code = worker.process.exitcode
-        worker.exit_codes.append(code)
-        if code >= 0 or worker.restarts_left == 0:
-            return False
-        # Reading the shard cuts a torn last line (a kill mid-write) off, so the next run appends whole lines.
-        done = set().union(*recorded(result_paths(worker.shard, folder.format), refs))
-        left = [r for r in worker.share if r.index not in done]
-        if not left or len(left) == worker.left:
-            return False
-        worker.restarts_left -= 1
-        log.warning("worker %s on %s died (exit code %d) after recording %d of its images; starting it again on "
-                    "the %d left (run.worker_restarts: %d more)", worker.shard.name, worker.device, code,
-                    worker.left - len(left), len(left), worker.restarts_left)
-        start(worker, left)
-        return True
+        n = len(self.devices)
+        workers = [Worker(device, shards[k], todo[k::n], config.run.worker_restarts)
+                   for k, device in enumerate(self.devices) if todo[k::n]]
+        first_record = None
+        try:
+            for worker in workers:
+                start(worker, worker.share)
+            files = [path for w in workers for path in result_paths(w.shard, folder.kind)]
+            first_record = _wait_with_progress(workers, files, len(todo), options.show_progress, restarted,
+                                               folder.kind)
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP: each worker ends its batch; what they wrote is merged
+            workers = [w for w in workers if w.process is not None]
+            _stop(workers)
+            folder.tally.interrupted = True
+        folder.tally.interrupted |= any(w.exit_codes[-1] == EXIT_INTERRUPTED for w in workers)
+        owner = {r.index: w for w in workers for r in w.share}
 
-    workers = [Worker(device, shards[k], todo[k::len(devices)], config.run.worker_restarts)
-               for k, device in enumerate(devices) if todo[k::len(devices)]]
-    try:
-        for worker in workers:
-            start(worker, worker.share)
-        files = [path for w in workers for path in result_paths(w.shard, folder.format)]
-        _wait_with_progress(workers, files, len(todo), progress, restarted)
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: each worker ends its batch; what they wrote is merged
-        workers = [w for w in workers if w.process is not None]
-        _stop(workers)
-        folder.tally.interrupted = True
-    owner = {r.index: w for w in workers for r in w.share}
+        def on_merged(row: Row) -> None:
+            owner[row.index].tally.count(row)
 
-    def count(row: Row) -> None:
-        worker = owner.get(row.index)
-        if worker is not None:  # else recorded by an earlier run
-            worker.tally.count(row)
-            folder.tally.count(row)
-
-    folder.merge(count)
-    result = _summarise(folder, source, config, refs, todo, devices, workers, started, started_at)
-    if not folder.tally.interrupted and not result.summary["failed_workers"]:  # every image recorded
-        folder.drop_shards()
-    return result
+        return Outcome(device=", ".join(self.devices), setup_s=(first_record or time.perf_counter()) - started,
+                       counted=False, on_merged=on_merged, failures=lambda: _failures(workers),
+                       extra=lambda: {"devices": self.devices, "workers": [_report(w) for w in workers],
+                                      "restarts": sum(len(w.exit_codes) - 1 for w in workers),
+                                      "failed_workers": _failures(workers)})
 
 
-def _wait_with_progress(workers: list[Worker], files: list[Path], total: int, progress: bool | None,
-                        restarted: Callable[[Worker], bool]) -> None:
+def _wait_with_progress(workers: list[Worker], files: list[Path], total: int, show: bool,
+                        restarted: Callable[[Worker], bool], kind: RecordFormat) -> float | None:
     """Until every worker has ended (restarted where it died), a bar of the records in `files`,
-    the workers' result files."""
+    the workers' result files. Returns when the first record appeared (perf_counter), if one did."""
     from tqdm import tqdm
 
-    show = sys.stderr.isatty() if progress is None else progress
-    baseline = sum(records_in(f) for f in files)
+    def records() -> int:
+        return sum(kind.count(f) if f.name == kind.file else lines_in(f) for f in files)
+
+    baseline, first = records(), None
 
     def running() -> bool:
         for w in workers:
@@ -264,10 +267,12 @@ def _wait_with_progress(workers: list[Worker], files: list[Path], total: int, pr
     with tqdm(total=total, unit="img", disable=not show, file=DroppingWrites(sys.stderr), dynamic_ncols=True) as bar:
         while True:
             more = running()
-            bar.n = sum(records_in(f) for f in files) - baseline
+            bar.n = records() - baseline
+            if bar.n and first is None:
+                first = time.perf_counter()
             bar.refresh()
             if not more:
-                break
+                return first
             time.sleep(0.5)
 
 
@@ -302,31 +307,27 @@ def _stop(workers: list[Worker]) -> None:
             signal.signal(s, handler)
 
 
-def _summarise(folder: OutputFolder, source: str, config: Config, refs: list[ImageRef], todo: list[ImageRef],
-               devices: list[str], workers: list[Worker], started: float, started_at: datetime) -> RunResult:
-    per_worker, failed_workers, model = [], [], None
+def _report(worker: Worker) -> dict:
+    """A worker's entry in summary.json: what the merge counted of its share, its exit codes, and
+    the rate its last process's summary gives."""
+    summary_path = worker.shard / "summary.json"  # its last process's, if that one finished
+    s = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    t = worker.tally
+    return {"worker": int(worker.shard.name), "device": worker.device, "exit_code": worker.exit_codes[-1],
+            "exit_codes": worker.exit_codes, "processed": t.processed, "failed": t.failed, "detections": t.detections,
+            "images_per_s": s.get("images_per_s")}
+
+
+def _failures(workers: list[Worker]) -> list[str]:
+    """The workers that stopped on an error of gpudet's (exit 1, 2), or died with images of their
+    share not recorded (3: some images failed; 130: interrupted; killed after recording its whole
+    share, nothing is missing)."""
+    failures = []
     for worker in workers:
-        summary_path = worker.shard / "summary.json"  # its last process's, if that one finished
-        s = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-        model = model or s.get("model")
-        code = worker.exit_codes[-1]
-        t = worker.tally
-        per_worker.append({"worker": int(worker.shard.name), "device": worker.device, "exit_code": code,
-                           "exit_codes": worker.exit_codes, "processed": t.processed, "failed": t.failed,
-                           "detections": t.detections, "images_per_s": s.get("images_per_s")})
+        code, t = worker.exit_codes[-1], worker.tally
         unrecorded = len(worker.share) - t.processed - t.failed
-        # 3: some images failed, 130: interrupted; 1, 2: an error of gpudet's. Killed (a negative code)
-        # after recording its whole share, nothing is missing.
         if code not in (EXIT_OK, EXIT_SOME_FAILED, EXIT_INTERRUPTED) and (code in (EXIT_INTERNAL, EXIT_USAGE)
                                                                            or unrecorded):
-            failed_workers.append(f"worker {worker.shard.name} on {worker.device} exited with code {code}"
-                                  + (f", {unrecorded} of its images not recorded" if unrecorded else ""))
-    folder.tally.interrupted |= any(w.exit_codes[-1] == EXIT_INTERRUPTED for w in workers)
-    elapsed = time.perf_counter() - started
-    summary = folder.write_summary(
-        source=str(source), images=len(refs), todo=len(todo), device=", ".join(devices),
-        seconds={"total": elapsed}, loop_seconds=elapsed, started=started_at, model=model, config=config.to_dict(),
-        extra={"devices": devices, "workers": per_worker,
-               "restarts": sum(len(w.exit_codes) - 1 for w in workers), "failed_workers": failed_workers})
-    interrupted = folder.tally.interrupted
-    return RunResult(summary, EXIT_INTERNAL if failed_workers and not interrupted else folder.tally.exit_code)
+            failures.append(f"worker {worker.shard.name} on {worker.device} exited with code {code}"
+                            + (f", {unrecorded} of its images not recorded" if unrecorded else ""))
+    return failures

@@ -30,16 +30,12 @@ from typing import Any, Literal
 import numpy as np
 from nvidia.dali import fn, pipeline_def, types
 
-from .config import PreprocessConfig
 from .device import Device
 from .errors import GpudetError
 from .results import ImageError, ImageRef
 from .source import FLUSH, EncodedImage, PixelImage, undecodable
 
 _END = object()
-
-HW_DECODER_LOAD = PreprocessConfig.hw_decoder_load
-"""Share of each batch's JPEGs given to the hardware JPEG decoder (config: preprocess.hw_decoder_load)."""
 
 
 @dataclass
@@ -57,7 +53,7 @@ class PreprocessedBatch:
     """float32 [B, 2]: offset of the image inside the model input (0: padding is right/bottom)."""
 
 
-def decode(encoded, *, decode_device: str, channel_order: str, hw_decoder_load: float = HW_DECODER_LOAD):
+def decode(encoded, *, decode_device: str, channel_order: str, hw_decoder_load: float):
     """Encoded images -> uint8 HWC in channel_order. decode_device: DALI's "mixed" (nvJPEG, the
     hardware decoder's share: hw_decoder_load) or "cpu". Grayscale and CMYK come out as 3
     channels; EXIF orientation is applied."""
@@ -136,9 +132,8 @@ class Preprocessor:
     def __init__(self, *, device: Device, batch_size: int, num_threads: int, height: int, width: int,
                  resize: Literal["letterbox", "stretch"], channel_order: Literal["RGB", "BGR"],
                  mean: list[float], std: list[float], pad_value: float | None,
-                 dtype: Literal["float32", "float16"], layout: Literal["NCHW", "NHWC"],
+                 dtype: Literal["float32", "float16"], layout: Literal["NCHW", "NHWC"], hw_decoder_load: float,
                  pad_partial_batches: bool = False, decoder: Literal["auto", "cpu"] = "auto",
-                 hw_decoder_load: float = HW_DECODER_LOAD,
                  source: Literal["encoded", "host_pixels", "device_pixels"] = "encoded"):
         """pad_partial_batches: fill a short batch up to batch_size by repeating its last image, so
         the model always sees one input shape (a new shape costs ORT's CUDA EP a cuDNN algorithm

@@ -31,7 +31,8 @@ class ImageError:
     path: str
     reason: str
     """Stable code: missing, not_a_file, unreadable, empty, unknown_format, bad_header, truncated,
-    too_large, decode_failed, bad_array, bad_model_output (README, "When things go wrong")."""
+    too_large, decode_failed, unsupported, bad_array, bad_model_output (docs/OUTPUT.md, "When things
+    go wrong")."""
     message: str
 
     def to_record(self) -> dict:

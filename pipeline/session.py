@@ -16,6 +16,7 @@ device and options (`take_started`); otherwise nothing is taken and Engine opens
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import re
@@ -46,9 +47,45 @@ class TensorSpec:
     dtype: str  # ORT type string, e.g. "tensor(float)"
     shape: tuple  # ints for static dims, strings (or None) for symbolic ones
 
+    @classmethod
+    def of(cls, arg) -> TensorSpec:
+        """An ORT NodeArg (session.get_inputs(), get_outputs()) as a TensorSpec."""
+        return cls(arg.name, arg.type, tuple(arg.shape))
+
     def describe(self) -> str:
         dims = ", ".join(str(d) if d is not None else "?" for d in self.shape)
         return f"{self.name} {self.dtype.removeprefix('tensor(').removesuffix(')')} [{dims}]"
+
+
+@dataclass(frozen=True)
+class ModelIO:
+    """What gpudet reads of a model file: its inputs, outputs and metadata."""
+
+    path: Path
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    metadata: dict[str, str]
+    """The model's metadata_props (a retinanet_heads model keeps its anchor layout there)."""
+
+    @classmethod
+    def of(cls, path: Path, session: ort.InferenceSession) -> ModelIO:
+        return cls(Path(path), [TensorSpec.of(a) for a in session.get_inputs()],
+                   [TensorSpec.of(a) for a in session.get_outputs()],
+                   dict(session.get_modelmeta().custom_metadata_map))
+
+    def record(self, contract: str) -> dict:
+        """What summary.json says of the model: its file (path, sha256), contract, inputs and outputs."""
+        return {"path": str(self.path), "sha256": hashlib.sha256(self.path.read_bytes()).hexdigest(),
+                "contract": contract, "inputs": [s.describe() for s in self.inputs],
+                "outputs": [s.describe() for s in self.outputs]}
+
+
+def declared(model_path: Path) -> ModelIO:
+    """The model's inputs, outputs (symbolic dims kept) and metadata as declared, read without
+    running it (an unoptimized CPU session), after check_external_data; ModelError, one line,
+    where ONNX or ONNX Runtime cannot read it."""
+    check_external_data(model_path)
+    return ModelIO.of(model_path, _session(model_path, {}, None))
 
 
 @dataclass(frozen=True)
@@ -179,8 +216,8 @@ class Opened:
     """An open session and what Engine needs to know of it."""
 
     session: ort.InferenceSession
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec]
+    model: ModelIO
+    """Its inputs and outputs as opened (dimension overrides applied)."""
     image_input: ImageInput
     declared_batch: int | None
     """The batch size the model itself fixes (None: any); image_input.batch also counts batch_size."""
@@ -198,7 +235,7 @@ def open_session(model_path: Path, *, cuda_index: int | None, stream: int | None
     # A first, unoptimized CPU session only reads the inputs (it is cheap; the real session
     # depends on them through the dimension overrides).
     probe = _session(model_path, {}, None)
-    inputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in probe.get_inputs()]
+    inputs = [TensorSpec.of(a) for a in probe.get_inputs()]
     image = find_image_input(inputs, model_path)
     overrides = {}
     if image.size_hw is None and input_size_hw is not None:
@@ -228,9 +265,8 @@ def open_session(model_path: Path, *, cuda_index: int | None, stream: int | None
         providers = [("CUDAExecutionProvider", {"device_id": str(cuda_index), "user_compute_stream": str(stream),
                                                 **cuda_options}), "CPUExecutionProvider"]
     session = _session(model_path, overrides, providers)
-    opened_inputs = [TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_inputs()]
-    return Opened(session, opened_inputs, [TensorSpec(a.name, a.type, tuple(a.shape)) for a in session.get_outputs()],
-                  find_image_input(opened_inputs, model_path), image.batch, cuda_options, cuda_graph)
+    model = ModelIO.of(model_path, session)
+    return Opened(session, model, find_image_input(model.inputs, model_path), image.batch, cuda_options, cuda_graph)
 
 
 def _session(model_path: Path, dim_overrides: dict[str, int], providers: list | None) -> ort.InferenceSession:
@@ -368,8 +404,8 @@ def _first_run(opening: Future, index: int, batch_size: int, input_size_hw, scal
     binding = opened.session.io_binding()
     zeros = np.zeros(shape, np.float16 if image.dtype == "float16" else np.float32)
     binding.bind_ortvalue_input(image.name, ort.OrtValue.ortvalue_from_numpy(zeros, "cuda", index))
-    bind_scalars(binding, opened.inputs, scalars)
-    for spec in opened.outputs:
+    bind_scalars(binding, opened.model.inputs, scalars)
+    for spec in opened.model.outputs:
         binding.bind_output(spec.name, "cuda", index)
     opened.session.run_with_iobinding(binding, options)
 

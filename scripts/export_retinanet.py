@@ -64,7 +64,7 @@ except ImportError as e:  # the exporter's one extra need; the pipeline never im
              "    pip install torch==2.14.1 torchvision==0.29.1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pipeline.postprocess import RETINANET_METADATA, RetinaNetHeads, decode_box_deltas  # noqa: E402
+from pipeline.contracts.retinanet_heads import RETINANET_METADATA, RetinaNetHeads, decode_box_deltas  # noqa: E402
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 IMAGENET_MEAN, IMAGENET_STD = [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]  # torchvision's, in 0..255 units

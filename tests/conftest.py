@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,3 +52,62 @@ def read_results(folder: Path) -> list[dict]:
     else:
         records = read_jsonl(folder / "detections.jsonl")
     return sorted(records, key=lambda r: r["index"])
+
+
+PHOTOS = sorted(p for p in SAMPLES.iterdir() if p.suffix in (".png", ".jpg"))
+"""The six bundled photos."""
+
+
+def detect(*args) -> int:
+    """`gpudet detect ARGS --no-progress` in this process; its exit code."""
+    from pipeline.cli import main
+
+    return main(["detect", *map(str, args), "--no-progress"])
+
+
+def gpudet(*args, cwd=ROOT, timeout=300, **kwargs) -> subprocess.CompletedProcess:
+    """`gpudet ARGS` as a process of its own (`python -m pipeline`), its output captured."""
+    return subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, **kwargs)
+
+
+def one_clear_line(run: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    """The documented exit code, no traceback, and an error line that says what is wrong."""
+    assert run.returncode == code, (run.returncode, run.stderr[-2000:])
+    assert "Traceback" not in run.stderr and "internal error" not in run.stderr, run.stderr[-2000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("gpudet: ERROR")]
+    assert errors, run.stderr[-2000:]
+    for word in words:
+        assert word in errors[0], (word, errors[0])
+
+
+def wait_for_lines(path: Path, count: int, process: subprocess.Popen | None = None, timeout: float = 120) -> None:
+    """Until `path` holds `count` lines (records); fails if `process` ends first, or after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_bytes().count(b"\n") >= count:
+            return
+        assert process is None or process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"no {count} lines in {path} after {timeout}s")
+
+
+def encode(image, fmt: str = "PNG", **kwargs) -> bytes:
+    """A PIL image's file bytes in `fmt` (Pillow's save options: quality=, exif=, ...)."""
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **kwargs)
+    return buf.getvalue()
+
+
+def random_boxes(generator, batch: int, k: int, grid: bool = False):
+    """torch float32 [batch, k, 4] x1y1x2y2 boxes; grid: integer corners on a 10 px grid, so that
+    many pairs meet at IoU exactly 1/2, 1/3, ... (ties at a threshold)."""
+    import torch
+
+    if grid:
+        xy = torch.randint(0, 12, (batch, k, 2), generator=generator).float() * 10
+        wh = torch.randint(1, 5, (batch, k, 2), generator=generator).float() * 10
+    else:
+        xy = torch.rand(batch, k, 2, generator=generator) * 200
+        wh = torch.rand(batch, k, 2, generator=generator) * 80 + 1
+    return torch.cat([xy, xy + wh], dim=-1)

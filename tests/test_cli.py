@@ -13,11 +13,7 @@ from PIL import Image
 
 from pipeline.cli import main
 
-from conftest import EXPECTED_FACES, ROOT, SAMPLES, cpu_and_cuda, cuda_usable, read_jsonl
-
-
-def detect(*args) -> int:
-    return main(["detect", *map(str, args), "--no-progress"])
+from conftest import EXPECTED_FACES, ROOT, SAMPLES, cpu_and_cuda, cuda_usable, detect, read_jsonl
 
 
 @cpu_and_cuda()

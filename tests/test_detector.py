@@ -27,7 +27,7 @@ def test_every_good_image_exactly_once_around_bad_ones(device):
     batches = [items[i:i + 4] for i in range(0, len(items), 4)]
     p = Preprocessor(device=Device("cuda", 0) if device == "cuda" else Device("cpu"), batch_size=4, num_threads=2,
                      height=64, width=64, resize="letterbox", channel_order="RGB", mean=[0, 0, 0], std=[1, 1, 1],
-                     pad_value=0, dtype="float32", layout="NCHW")
+                     pad_value=0, dtype="float32", layout="NCHW", hw_decoder_load=0.9)
     errors = []
     done = [r.index for b in preprocess_stream(p, batches, errors.extend, depth=3) for r in b.refs]
     failed = [e.index for e in errors]
@@ -43,7 +43,7 @@ def test_every_good_image_exactly_once_around_bad_ones(device):
 def test_a_stream_stopped_early_leaves_nothing_in_dali_for_the_next(device):
     p = Preprocessor(device=Device("cuda", 0) if device == "cuda" else Device("cpu"), batch_size=2, num_threads=2,
                      height=64, width=64, resize="letterbox", channel_order="RGB", mean=[0, 0, 0], std=[1, 1, 1],
-                     pad_value=0, dtype="float32", layout="NCHW")
+                     pad_value=0, dtype="float32", layout="NCHW", hw_decoder_load=0.9)
     first = [[EncodedImage(ImageRef(i, f"a{i}.jpg"), GOOD) for i in (k, k + 1)] for k in range(0, 10, 2)]
     stopped = preprocess_stream(p, first, lambda errors: None, depth=3)
     assert next(stopped).refs[0].path == "a0.jpg"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main
-from pipeline.sinks import records_in
+from pipeline.formats import record_format
 
 from conftest import ROOT, SAMPLES, read_jsonl, read_results
 
@@ -92,7 +92,8 @@ def test_an_actor_killed_mid_run_loses_no_image_and_repeats_none(tmp_path, outpu
     killed = None
     deadline = time.monotonic() + 300
     while killed is None and time.monotonic() < deadline and process.poll() is None:
-        recorded = sum(records_in(p) for p in (out / ".gpudet-shards").glob("ray-*/detections.*"))
+        recorded = sum(record_format(p.name.split(".")[1]).count(p)
+                       for p in (out / ".gpudet-shards").glob("ray-*/detections.*"))
         actors = [p for p in Path("/proc").glob("[0-9]*") if b"MapWorker" in read_bytes(p / "cmdline")]
         if recorded >= 10 and actors:
             killed = int(actors[0].name)
@@ -178,7 +179,7 @@ def test_an_actor_whose_parquet_file_cannot_be_written_fails_the_request_instead
 
     import numpy as np
 
-    from pipeline import sinks
+    from pipeline import parquet
     from pipeline.config import load_config
     from pipeline.distributed import DetectActor
     from pipeline.errors import OutputWriteError
@@ -186,7 +187,7 @@ def test_an_actor_whose_parquet_file_cannot_be_written_fails_the_request_instead
     def disk_full(table, path):
         raise OutputWriteError(path, OSError(errno.ENOSPC, "No space left on device"))
 
-    monkeypatch.setattr(sinks, "write_parquet", disk_full)
+    monkeypatch.setattr(parquet, "write_parquet", disk_full)
     actor = DetectActor(load_config(None, ["run.device=cpu", "run.batch_size=2"]), str(tmp_path / ".gpudet-shards"),
                         output_format="parquet")
     photos = [str(p) for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md"]

@@ -14,7 +14,8 @@ import torch
 from pipeline.device import Device
 from pipeline.engine import Engine
 from pipeline.errors import ModelError
-from pipeline.postprocess import EndToEnd, Thresholds, image_meta
+from pipeline.contracts.end_to_end import EndToEnd
+from pipeline.postprocess import Thresholds, image_meta
 from pipeline.results import Detections
 from pipeline.preprocess import Preprocessor
 from pipeline.source import list_images, read_checked
@@ -44,7 +45,7 @@ def device_of(name: str) -> Device:
 def sample_batch(device: Device, size: int = 640, batch_size: int = 4):
     preprocessor = Preprocessor(device=device, batch_size=batch_size, num_threads=2, height=size, width=size,
                                 resize="letterbox", channel_order="BGR", mean=[104, 117, 127], std=[1, 1, 1],
-                                pad_value=0, dtype="float32", layout="NCHW")
+                                pad_value=0, dtype="float32", layout="NCHW", hw_decoder_load=0.9)
     items = [read_checked(r) for r in list_images(SAMPLES)[:batch_size]]
     return preprocessor, items
 

@@ -16,22 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT, SAMPLES, read_jsonl
-
-
-def gpudet(*args, cwd=ROOT, timeout=300, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, **kwargs)
-
-
-def one_clear_line(run: subprocess.CompletedProcess, code: int, *words: str) -> None:
-    """The documented exit code, no traceback, and an error line that says what is wrong."""
-    assert run.returncode == code, (run.returncode, run.stderr[-2000:])
-    assert "Traceback" not in run.stderr and "internal error" not in run.stderr, run.stderr[-2000:]
-    errors = [line for line in run.stderr.splitlines() if line.startswith("gpudet: ERROR")]
-    assert errors, run.stderr[-2000:]
-    for word in words:
-        assert word in errors[0], (word, errors[0])
+from conftest import ROOT, SAMPLES, gpudet, one_clear_line, read_jsonl, wait_for_lines
 
 
 def test_a_list_with_a_name_that_is_not_utf8_runs_and_records_it(tmp_path):
@@ -253,15 +238,6 @@ def start(listing: Path, out: Path, *extra) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_lines(path: Path, count: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_bytes().count(b"\n") >= count:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no {count} lines in {path}")
-
-
 def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_first(tmp_path):
     out = tmp_path / "out"
     first = start(slow_list(tmp_path), out)
@@ -355,8 +331,11 @@ def test_eval_of_a_file_that_is_not_detections_or_not_ground_truth(tmp_path):
     annotations, ground_truth = tmp_path / "ann.json", tmp_path / "gt.json"
     annotations.write_text(json.dumps(images))
     ground_truth.write_text(json.dumps({**images, "annotations": []}))
-    one_clear_line(gpudet("eval", ROOT / "README.md", "--annotations", ground_truth), 2, "README.md, line 1",
-                   "not a record of gpudet detect")
+    one_clear_line(gpudet("eval", ROOT / "README.md", "--annotations", ground_truth), 2, "README.md is not "
+                   "detections.jsonl, detections.parquet or an output folder")
+    (tmp_path / "d.jsonl").write_text("# not a record\n")
+    one_clear_line(gpudet("eval", tmp_path / "d.jsonl", "--annotations", ground_truth), 2, "d.jsonl: line 1 is not a "
+                   "record gpudet wrote")
     assert gpudet("detect", SAMPLES, "--out", tmp_path / "o", "--device", "cpu").returncode == 0
     one_clear_line(gpudet("eval", tmp_path / "o" / "detections.jsonl", "--annotations", annotations), 2,
                    "no 'annotations' list")
@@ -506,7 +485,7 @@ def test_a_librarys_colour_codes_and_parser_lines_stay_off_the_log(tmp_path):
     script.write_text(
         "import logging, os\n"
         "from pipeline.errors import setup_logging, stderr_into_log\n"
-        "from pipeline.runner import decoder_level\n"
+        "from pipeline.errors import decoder_level\n"
         "setup_logging(level='DEBUG', as_json=True)\n"
         "with stderr_into_log('library', decoder_level):\n"
         "    os.write(2, b'\\x1b[0;31m[ERROR] \\x1b[0m[png_parser] Could not retrieve image info\\n')\n"

@@ -12,6 +12,8 @@ import torch
 from pipeline import kernels
 from pipeline.nms import packed_bits, suppressor_rows, suppressors
 
+from conftest import random_boxes
+
 HERE = Path(__file__).parent
 
 
@@ -32,16 +34,6 @@ def check_row_max(device: str) -> None:
         assert got.dtype == x.dtype, shape
         torch.testing.assert_close(got, x.amax(dim=-1), rtol=0, atol=0, equal_nan=True)  # NaN where torch's is
     assert "row_max" not in kernels._failed, "the Triton kernel fell back to torch (see the warning)"
-
-
-def random_boxes(generator: torch.Generator, batch: int, k: int, grid: bool) -> torch.Tensor:
-    if grid:  # integer corners: many pairs at IoU exactly 1/2, 1/3, ... (ties at the threshold)
-        xy = torch.randint(0, 12, (batch, k, 2), generator=generator).float() * 10
-        wh = torch.randint(1, 5, (batch, k, 2), generator=generator).float() * 10
-    else:
-        xy = torch.rand(batch, k, 2, generator=generator) * 200
-        wh = torch.rand(batch, k, 2, generator=generator) * 80 + 1
-    return torch.cat([xy, xy + wh], dim=-1)
 
 
 def check_suppressor_words(device: str) -> None:

@@ -6,7 +6,7 @@ import torch
 
 from pipeline.nms import batched_nms, box_iou_batched, exact_nms, fixed_point, packed_bits, top_nms
 
-from conftest import cpu_and_cuda
+from conftest import cpu_and_cuda, random_boxes
 
 
 def greedy_nms(boxes: np.ndarray, scores: np.ndarray, classes: np.ndarray, iou_threshold: float) -> np.ndarray:
@@ -28,18 +28,12 @@ def greedy_nms(boxes: np.ndarray, scores: np.ndarray, classes: np.ndarray, iou_t
     return keep
 
 
-def random_boxes(rng, k):
-    xy = rng.uniform(0, 200, (k, 2))
-    wh = rng.uniform(5, 80, (k, 2))
-    return np.concatenate([xy, xy + wh], 1).astype(np.float32)
-
-
 @cpu_and_cuda()
 @pytest.mark.parametrize("seed", range(8))
 def test_matches_greedy_nms_batched_over_images_and_classes(device, seed):
     rng = np.random.default_rng(seed)
     batch, k = 3, 120
-    boxes = np.stack([random_boxes(rng, k) for _ in range(batch)])
+    boxes = random_boxes(torch.Generator().manual_seed(int(rng.integers(1 << 31))), batch, k).numpy()
     scores = rng.uniform(0, 1, (batch, k)).astype(np.float32)
     classes = rng.integers(0, 3, (batch, k))
     valid = scores > 0.2
@@ -145,7 +139,7 @@ def test_top_nms_keeps_the_best_of_greedy_and_says_which_images_the_prefix_did_n
     textbook greedy NMS capped at max_kept."""
     rng = np.random.default_rng(prefix)
     batch, k, max_kept = 3, 300, 40
-    boxes = np.stack([random_boxes(rng, k) for _ in range(batch)])
+    boxes = random_boxes(torch.Generator().manual_seed(int(rng.integers(1 << 31))), batch, k).numpy()
     scores = -np.sort(-rng.uniform(0, 1, (batch, k)).astype(np.float32), axis=1)
     classes = rng.integers(0, 4, (batch, k))
     valid = scores > 0.05

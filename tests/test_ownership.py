@@ -11,17 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import EXPECTED_FACES, SAMPLES, read_jsonl
-from test_faults import gpudet, one_clear_line
+from conftest import EXPECTED_FACES, PHOTOS, SAMPLES, gpudet, one_clear_line, read_jsonl
 
 from pipeline.cli import main
-
-PHOTOS = sorted(p for p in SAMPLES.iterdir() if p.suffix in (".png", ".jpg"))
-
 
 def tree(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` (links as their target's name) by its relative path, with its bytes."""
@@ -310,7 +307,7 @@ def test_a_full_disk_at_the_start_is_exit_4_and_leaves_no_folder(tmp_path):
     assert "Traceback" not in run.stderr and run.stderr.strip().splitlines()[-1] == "filler", run.stderr[-2000:]
 
 
-def constant_model(path: Path, outputs: dict[str, "np.ndarray"]) -> Path:
+def constant_model(path: Path, outputs: dict[str, np.ndarray]) -> Path:
     """An end_to_end ONNX model whose outputs are these constants, whatever the images."""
     import numpy as np
     import onnx
@@ -381,7 +378,7 @@ def test_inspect_and_model_of_any_file_are_one_line(tmp_path, name, content):
     assert not (tmp_path / "o").exists()
 
 
-def lossless_jpeg(pixels: "np.ndarray", bits: int = 8) -> bytes:
+def lossless_jpeg(pixels: np.ndarray, bits: int = 8) -> bytes:
     """A lossless JPEG (ITU T.81 process 14, SOF3, predictor 1: the sample to the left) of uint8 or
     uint16 pixels [H, W] or [H, W, C]: a minimal encoder, one Huffman table of 5-bit codes."""
     import numpy as np

@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.engine import detect_contract
+from pipeline.contracts import recognise
 from pipeline.session import TensorSpec
 from pipeline.errors import ModelError
-from pipeline.postprocess import EndToEnd, Thresholds, image_meta
+from pipeline.contracts.end_to_end import EndToEnd
+from pipeline.postprocess import Thresholds, image_meta
 
 from conftest import EXPECTED_FACES, ROOT, SAMPLES, cpu_and_cuda
 
@@ -64,10 +65,10 @@ def test_no_detections(device):
 def test_contract_detection_lists_found_and_expected(tmp_path):
     good = [TensorSpec("boxes", "tensor(float)", ("N", 4)), TensorSpec("scores", "tensor(float)", ("N",)),
             TensorSpec("batch_index", "tensor(int64)", ("N",))]
-    assert detect_contract(good, "auto", tmp_path / "m.onnx") == "end_to_end"
+    assert recognise(good, "auto", tmp_path / "m.onnx").name == "end_to_end"
     bad = [TensorSpec("cls_logits", "tensor(float)", (1, 100, 80)), TensorSpec("bbox", "tensor(float)", (1, 100, 4))]
     with pytest.raises(ModelError) as info:
-        detect_contract(bad, "auto", tmp_path / "m.onnx")
+        recognise(bad, "auto", tmp_path / "m.onnx")
     assert "cls_logits float [1, 100, 80]" in str(info.value) and "boxes (rank 2)" in str(info.value)
 
 
@@ -99,9 +100,9 @@ def test_ssd_heads_on_the_device_match_the_in_graph_nms(device, score_threshold)
 def test_ssd_heads_contract_is_recognised(tmp_path):
     heads = [TensorSpec("loc", "tensor(float)", ("b", 16800, 4)), TensorSpec("conf", "tensor(float)", ("b", 16800, 2)),
              TensorSpec("landmarks", "tensor(float)", ("b", 16800, 10))]
-    assert detect_contract(heads, "auto", tmp_path / "m.onnx") == "ssd_heads"
+    assert recognise(heads, "auto", tmp_path / "m.onnx").name == "ssd_heads"
     with pytest.raises(ModelError, match="end_to_end"):
-        detect_contract(heads, "end_to_end", tmp_path / "m.onnx")
+        recognise(heads, "end_to_end", tmp_path / "m.onnx")
 
 
 @cpu_and_cuda()
@@ -131,7 +132,8 @@ def test_packed_rows_hold_each_images_kept_detections_best_first(device):
     """RetinaNetHeads.pack (kept_slots, pack_rows) + PackedDetections against a per-image nonzero: the same rows,
     on the host and on the device; padding images dropped; an image with more detections than
     the reader's first copy holds is read in a second copy, and the next batch's copy is larger."""
-    from pipeline.postprocess import BlockReader, PackedDetections, RetinaNetHeads
+    from pipeline.contracts.retinanet_heads import RetinaNetHeads
+    from pipeline.postprocess import BlockReader, PackedDetections
 
     dev = torch.device(device)
     g = torch.Generator().manual_seed(0)
@@ -172,7 +174,8 @@ def test_packed_rows_hold_each_images_kept_detections_best_first(device):
 def test_ssd_heads_finish_an_image_that_does_not_converge_exactly(device, monkeypatch):
     """With one in-graph NMS step, some images' suppression chains do not settle: those images (and
     only those) are done again exactly, and the detections are those of the default steps."""
-    from pipeline import Detector, postprocess
+    from pipeline import Detector
+    from pipeline.contracts import ssd_heads
     from pipeline.source import list_images
 
     def detections():
@@ -182,16 +185,16 @@ def test_ssd_heads_finish_an_image_that_does_not_converge_exactly(device, monkey
         return found, detector.postprocess
 
     expected, _ = detections()
-    monkeypatch.setattr(postprocess, "NMS_STEPS", 1)
+    monkeypatch.setattr(ssd_heads, "NMS_STEPS", 1)
     redone = []
-    packed = postprocess.SsdHeads.packed
+    packed = ssd_heads.SsdHeads.packed
 
     def spy(self, *tensors, **options):
         if options.get("sync_every"):
             redone.append(len(tensors[0]))
         return packed(self, *tensors, **options)
 
-    monkeypatch.setattr(postprocess.SsdHeads, "packed", spy)
+    monkeypatch.setattr(ssd_heads.SsdHeads, "packed", spy)
     found, _ = detections()
     assert redone and 0 < redone[0] < 6, redone  # some images, not all six
     assert found.batch_index.tolist() == expected.batch_index.tolist()

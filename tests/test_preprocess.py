@@ -1,6 +1,5 @@
 """DALI preprocessing: letterbox geometry, normalisation, grayscale and PNG inputs."""
 
-import io
 
 import numpy as np
 import pytest
@@ -10,18 +9,16 @@ from pipeline.device import Device
 from pipeline.preprocess import Preprocessor
 from pipeline.source import EncodedImage, ImageRef
 
-from conftest import SAMPLES, cpu_and_cuda
+from conftest import SAMPLES, cpu_and_cuda, encode
 
 
-def encode(image: Image.Image, fmt: str = "PNG", **kwargs) -> np.ndarray:
-    buf = io.BytesIO()
-    image.save(buf, format=fmt, **kwargs)
-    return np.frombuffer(buf.getvalue(), np.uint8)
+def encoded(image: Image.Image, fmt: str = "PNG", **kwargs) -> np.ndarray:
+    return np.frombuffer(encode(image, fmt, **kwargs), np.uint8)
 
 
 def preprocessor(device: str, **overrides) -> Preprocessor:
     args = dict(batch_size=4, num_threads=2, height=64, width=96, resize="letterbox", channel_order="RGB",
-                mean=[0, 0, 0], std=[1, 1, 1], pad_value=7, dtype="float32", layout="NCHW")
+                mean=[0, 0, 0], std=[1, 1, 1], pad_value=7, dtype="float32", layout="NCHW", hw_decoder_load=0.9)
     args.update(overrides)
     return Preprocessor(device=Device("cuda", 0) if device == "cuda" else Device("cpu"), **args)
 
@@ -37,7 +34,7 @@ def test_letterbox_geometry_portrait_landscape_odd(device, height, width):
     pixels = np.zeros((height, width, 3), np.uint8)
     y0, y1, x0, x1 = height // 4, height // 2, width // 3, (2 * width) // 3
     pixels[y0:y1, x0:x1] = 255
-    item = EncodedImage(ImageRef(0, "rect.png"), encode(Image.fromarray(pixels)))
+    item = EncodedImage(ImageRef(0, "rect.png"), encoded(Image.fromarray(pixels)))
     batch = preprocessor(device).run([item])
     scale = min(64 / height, 96 / width)
     resized_h, resized_w = round(height * scale), round(width * scale)
@@ -58,7 +55,7 @@ def test_letterbox_geometry_portrait_landscape_odd(device, height, width):
 def test_the_padding_is_a_pixel_value_normalised_as_the_image(device, pad_value, padding):
     """pad_value is a pixel: normalised with the image's mean and std (DALI writes its fill values
     into the normalised output); None pads the mean colour, 0 once normalised."""
-    item = EncodedImage(ImageRef(0, "grey.png"), encode(Image.new("RGB", (20, 64), (50, 50, 50))))
+    item = EncodedImage(ImageRef(0, "grey.png"), encoded(Image.new("RGB", (20, 64), (50, 50, 50))))
     image = as_numpy(preprocessor(device, mean=[10, 20, 30], std=[2, 4, 5], pad_value=pad_value).run([item]).images)[0]
     assert np.allclose(image[:, :, 40:], np.array(padding, np.float32)[:, None, None])  # right of the 20 px wide image
     assert np.allclose(image[:, :, :20], np.array([(50 - 10) / 2, (50 - 20) / 4, (50 - 30) / 5])[:, None, None])
@@ -69,8 +66,8 @@ def test_grayscale_png_and_channel_order_and_normalisation(device):
     gray = Image.open(SAMPLES / "camera.png")
     assert gray.mode == "L"
     rgb = Image.new("RGB", (96, 64), (10, 20, 30))
-    items = [EncodedImage(ImageRef(0, "camera.png"), encode(gray)),
-             EncodedImage(ImageRef(1, "rgb.jpg"), encode(rgb, "JPEG", quality=100))]
+    items = [EncodedImage(ImageRef(0, "camera.png"), encoded(gray)),
+             EncodedImage(ImageRef(1, "rgb.jpg"), encoded(rgb, "JPEG", quality=100))]
     p = preprocessor(device, channel_order="BGR", mean=[1, 2, 3], std=[2, 2, 2], resize="stretch")
     batch = p.run(items)
     images = as_numpy(batch.images)
@@ -94,7 +91,7 @@ def test_exif_orientation_is_applied(device):
     stored = display.transpose(Image.Transpose.ROTATE_90)  # what a camera held sideways writes
     exif = Image.Exif()
     exif[0x0112] = 6  # display = stored rotated 90 degrees clockwise
-    item = EncodedImage(ImageRef(0, "rotated.jpg"), encode(stored, "JPEG", quality=95, exif=exif.tobytes()))
+    item = EncodedImage(ImageRef(0, "rotated.jpg"), encoded(stored, "JPEG", quality=95, exif=exif.tobytes()))
     batch = preprocessor(device).run([item])
     assert batch.orig_hw.tolist() == [[427, 300]]
 

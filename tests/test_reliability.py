@@ -1,6 +1,5 @@
 """Bad inputs never stop a job; a killed run resumes with every image exactly once."""
 
-import io
 import json
 import os
 import random
@@ -23,17 +22,12 @@ from pipeline.device import Device
 from pipeline.preprocess import Preprocessor, preprocess_stream
 from pipeline.results import ImageRef
 from pipeline.sinks import read_complete_records
-from pipeline.source import EncodedImage, image_size, sniff_format
+from pipeline.imagefile import image_size, sniff_format
+from pipeline.source import EncodedImage
 
-from conftest import ROOT, SAMPLES, cpu_and_cuda, read_jsonl
+from conftest import ROOT, SAMPLES, cpu_and_cuda, encode, read_jsonl, wait_for_lines
 
 GRACE = (SAMPLES / "grace_hopper.jpg").read_bytes()
-
-
-def encode(image: Image.Image, fmt: str, **kwargs) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format=fmt, **kwargs)
-    return buf.getvalue()
 
 
 def png_declaring(width: int, height: int) -> bytes:
@@ -157,7 +151,7 @@ def test_fuzz_mutated_images_never_crash_and_are_each_accounted_once():
     rng = random.Random(11)
     seeds = [GRACE, (SAMPLES / "chelsea.png").read_bytes()]
     p = Preprocessor(device=Device("cpu"), batch_size=8, num_threads=2, height=96, width=96, resize="letterbox",
-                     channel_order="RGB", mean=[0, 0, 0], std=[1, 1, 1], pad_value=0, dtype="float32", layout="NCHW")
+                     channel_order="RGB", mean=[0, 0, 0], std=[1, 1, 1], pad_value=0, dtype="float32", layout="NCHW", hw_decoder_load=0.9)
     start, index, rounds = time.monotonic(), 0, 0
     while time.monotonic() - start < budget:
         items = []
@@ -190,21 +184,11 @@ def start_detect(listing: Path, out: Path, *extra: str) -> subprocess.Popen:
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_records(path: Path, count: int, process: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_bytes().count(b"\n") >= count:
-            return
-        assert process.poll() is None, process.communicate()
-        time.sleep(0.05)
-    raise AssertionError(f"no {count} records in {path} after {timeout}s")
-
-
 def test_kill_9_then_resume_records_each_image_exactly_once(tmp_path):
     listing = make_slow_set(tmp_path / "set", 120)
     out = tmp_path / "out"
     process = start_detect(listing, out)
-    wait_for_records(out / "detections.jsonl", 10, process)
+    wait_for_lines(out / "detections.jsonl", 10, process)
     process.send_signal(signal.SIGKILL)
     process.wait()
     before = list(read_complete_records(out / "detections.jsonl"))
@@ -227,7 +211,7 @@ def test_interrupt_stops_cleanly_with_130_and_resume_finishes(tmp_path, sig):
     listing = make_slow_set(tmp_path / "set", 120)
     out = tmp_path / "out"
     process = start_detect(listing, out)
-    wait_for_records(out / "detections.jsonl", 6, process)
+    wait_for_lines(out / "detections.jsonl", 6, process)
     process.send_signal(sig)
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr
@@ -251,7 +235,7 @@ def test_an_interrupt_after_the_last_record_finishes_the_run_and_exits_with_its_
     out = tmp_path / "out"
     script = f"""
 import atexit, os, signal, sys, time
-from pipeline import cli, sinks
+from pipeline import cli, folder
 
 def interrupted_first(call):
     def wrapped(*args, **kwargs):
@@ -260,7 +244,7 @@ def interrupted_first(call):
         return call(*args, **kwargs)
     return wrapped
 
-sinks.OutputFolder.write_summary = interrupted_first(sinks.OutputFolder.write_summary)
+folder.OutputFolder.write_summary = interrupted_first(folder.OutputFolder.write_summary)
 cli.summary_table = interrupted_first(cli.summary_table)
 atexit.register(time.sleep, 60)
 sys.argv = ["gpudet", "detect", {str(SAMPLES)!r}, "--out", {str(out)!r}, "--device", "cpu"]

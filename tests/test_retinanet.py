@@ -28,7 +28,8 @@ from pipeline import Detector  # noqa: E402
 from pipeline.device import Device  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 from pipeline.session import SCALAR_INPUTS  # noqa: E402
-from pipeline.postprocess import RetinaNetHeads, Thresholds, image_meta  # noqa: E402
+from pipeline.contracts.retinanet_heads import RETINANET_METADATA, RetinaNetHeads  # noqa: E402
+from pipeline.postprocess import Thresholds, image_meta  # noqa: E402
 from pipeline.source import list_images  # noqa: E402
 
 SIZE = (512, 512)
@@ -129,7 +130,7 @@ def assert_same_detections(boxes, scores, labels, expected: dict, *, box_tol: fl
 
 def test_anchors_are_torchvisions(model, exported, images):
     engine = Engine(exported["retinanet_heads"], device=Device("cpu"), scalars={})
-    post = RetinaNetHeads.from_metadata(engine.metadata, exported["retinanet_heads"], torch.device("cpu"))
+    post = RetinaNetHeads(layout=json.loads(engine.model.metadata[RETINANET_METADATA]), device=torch.device("cpu"))
     assert torch.equal(post.anchors, exporter.reference_anchors(model, images))
 
 
@@ -218,7 +219,7 @@ def test_heads_model_gives_torchvisions_detections(exported, images, reference, 
     engine = Engine(exported["retinanet_heads"], device=Device("cpu"), scalars={})
     outputs = engine.run(images)
     assert outputs["cls_logits"].shape == (BATCH, 49104, 91)
-    post = RetinaNetHeads.from_metadata(engine.metadata, exported["retinanet_heads"], torch.device("cpu"))
+    post = RetinaNetHeads(layout=json.loads(engine.model.metadata[RETINANET_METADATA]), device=torch.device("cpu"))
     ones, zeros = np.ones((BATCH, 2), np.float32), np.zeros((BATCH, 2), np.float32)
     meta = image_meta(ones, zeros, np.array([SIZE] * BATCH), torch.device("cpu"))
     found = post(outputs, meta, num_images=BATCH, thresholds=Thresholds(**thresholds)).to_host()
@@ -231,12 +232,11 @@ def test_an_unsettled_image_is_finished_exactly(device, exported, images, thresh
     """A NMS prefix of 16 candidates cannot settle an image that keeps 300: every image goes to
     the exact path, and the detections are those of the default prefix (on a GPU: the graph's
     packed rows are replaced by the exact ones)."""
-    from pipeline.postprocess import RETINANET_METADATA
 
     engine = Engine(exported["retinanet_heads"], device=Device(device), scalars={},
                     cuda_options={"use_tf32": "0"} if device == "cuda" else None)
     outputs = {k: v.clone() for k, v in engine.run(images.to(device)).items()}
-    layout = json.loads(engine.metadata[RETINANET_METADATA])
+    layout = json.loads(engine.model.metadata[RETINANET_METADATA])
     meta = image_meta(np.ones((BATCH, 2), np.float32), np.zeros((BATCH, 2), np.float32),
                           np.array([SIZE] * BATCH), torch.device("cpu"))
     default = RetinaNetHeads(layout=layout, device=torch.device(device))(
@@ -418,8 +418,9 @@ def test_the_compiled_postprocess_keeps_the_same_detections(exported, images, re
                     cuda_options={"use_tf32": "0"})
     outputs = {k: v.clone() for k, v in engine.run(images.cuda()).items()}
     device = torch.device("cuda", 0)
-    plain = RetinaNetHeads.from_metadata(engine.metadata, exported["retinanet_heads"], device)
-    compiled = RetinaNetHeads.from_metadata(engine.metadata, exported["retinanet_heads"], device, compile=True)
+    layout = json.loads(engine.model.metadata[RETINANET_METADATA])
+    plain = RetinaNetHeads(layout=layout, device=device)
+    compiled = RetinaNetHeads(layout=layout, device=device, compile=True)
     ones, zeros = np.ones((BATCH, 2), np.float32), np.zeros((BATCH, 2), np.float32)
     meta = image_meta(ones, zeros, np.array([SIZE] * BATCH), device)
     for score_threshold in (thresholds["score_threshold"], 0.0):
@@ -514,7 +515,7 @@ def gpudet_letterbox(paths: list[str]) -> torch.Tensor:
     p = load_config(ROOT / "configs" / "retinanet_r50_coco.yaml").preprocess
     preprocessor = Preprocessor(device=Device("cpu"), batch_size=len(paths), num_threads=2, height=SIZE[0],
                                 width=SIZE[1], resize=p.resize, channel_order=p.channel_order, mean=p.mean, std=p.std,
-                                pad_value=p.pad_value, dtype="float32", layout="NCHW")
+                                pad_value=p.pad_value, dtype="float32", layout="NCHW", hw_decoder_load=0.9)
     items = [EncodedImage(ImageRef(i, path), np.fromfile(path, np.uint8)) for i, path in enumerate(paths)]
     return torch.from_numpy(np.asarray(preprocessor.run(items).images))
 
@@ -550,7 +551,7 @@ def test_box_decode_is_torchvisions(weights):
 
     from torchvision.models.detection._utils import BoxCoder
 
-    from pipeline.postprocess import decode_box_deltas
+    from pipeline.contracts.retinanet_heads import decode_box_deltas
 
     g = torch.Generator().manual_seed(0)
     xy = torch.rand(500, 2, generator=g) * 700

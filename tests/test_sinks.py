@@ -20,17 +20,15 @@ from hypothesis.extra import numpy as hnp
 
 from pipeline import sinks
 from pipeline.cli import main
+from pipeline.folder import OutputFolder
+from pipeline.parquet import ParquetWriter, detection_table, text_path, write_parquet
 from pipeline.results import Detections, ImageRef, detection_records
-from pipeline.sinks import (OutputFolder, ParquetWriter, Row, detection_lines, detection_table, jsonl, text_path,
-                          write_parquet)
+from pipeline.sinks import BatchRecords, Row, detection_lines, jsonl
 
-from conftest import SAMPLES, cpu_and_cuda, read_jsonl, read_results
-from test_faults import gpudet, one_clear_line
-
-PHOTOS = [p for p in sorted(SAMPLES.glob("*.*")) if p.suffix != ".md"]
-
+from conftest import PHOTOS, SAMPLES, cpu_and_cuda, gpudet, one_clear_line, read_jsonl, read_results
 
 def detect(*args, device: str = "cpu") -> int:
+    """In this process, quiet, batches of 2."""
     return main(["detect", *map(str, args), "--device", device, "--batch-size", "2", "--quiet"])
 
 
@@ -207,7 +205,7 @@ def test_the_writer_holds_batches_until_a_bound_and_writes_them_as_one_file(tmp_
     monkeypatch.setattr(ParquetWriter, "FLUSH_DETECTIONS", 6)
     with ParquetWriter(tmp_path / "detections.parquet") as writer:
         for indices, per_image in (([0, 1], 2), ([2], 0), ([3, 4], 2), ([5], 3)):
-            writer.append(*batch_of(indices, per_image), ["face"])
+            writer.append(BatchRecords(*batch_of(indices, per_image), ["face"]))
     files = sorted((tmp_path / "detections.parquet").glob("*.parquet"))
     import pyarrow.parquet as pq
 
@@ -339,19 +337,19 @@ def test_an_interrupted_run_keeps_what_it_recorded_in_either_format(tmp_path, ou
     file), the exit is 130, and --resume records every image once."""
     from pipeline.detector import Detector
 
-    stream = Detector.stream
+    stream = Detector.stream_batches
 
-    def interrupted(self, refs, on_error, **kwargs):
-        for n, item in enumerate(stream(self, refs, on_error, **kwargs)):
+    def interrupted(self, batches, on_error, **kwargs):
+        for n, item in enumerate(stream(self, batches, on_error, **kwargs)):
             if n == 2:
                 raise KeyboardInterrupt
             yield item
 
-    monkeypatch.setattr(Detector, "stream", interrupted)
+    monkeypatch.setattr(Detector, "stream_batches", interrupted)
     out = tmp_path / "o"
     assert detect(SAMPLES, "--out", out, "--format", output_format) == 130
     assert [r["index"] for r in read_results(out)] == [0, 1, 2, 3]
-    monkeypatch.setattr(Detector, "stream", stream)
+    monkeypatch.setattr(Detector, "stream_batches", stream)
     assert detect(SAMPLES, "--out", out, "--format", output_format, "--resume") == 0
     assert [r["index"] for r in read_results(out)] == list(range(6))
 
@@ -365,7 +363,7 @@ import sys
 import numpy as np
 from types import SimpleNamespace
 from pipeline.results import Detections, ImageRef
-from pipeline.sinks import OutputFolder
+from pipeline.folder import OutputFolder
 with OutputFolder({str(tmp_path / "out")!r}, output_format="parquet") as folder, folder.writing():
     loaded = set(sys.modules)
     batch = SimpleNamespace(refs=[ImageRef(0, "a.jpg")], orig_hw=np.array([[480, 640]]))

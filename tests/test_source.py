@@ -22,7 +22,7 @@ def test_file_list_resolves_relative_paths_against_its_folder_or_root(tmp_path):
 
 
 def test_a_list_that_repeats_paths_says_how_many_and_keeps_each_line(tmp_path, caplog):
-    """README, "File lists": each line is an image at its own index, a repeated path too; the
+    """docs/SOURCES.md: each line is an image at its own index, a repeated path too; the
     repeats are counted in one warning, so that a list built by appending is noticed."""
     listing = tmp_path / "list.txt"
     listing.write_text("a.jpg\nb.jpg\na.jpg\n./b.jpg\nc.jpg\n")
@@ -51,7 +51,7 @@ def test_a_root_that_is_no_folder_or_resolves_nothing_is_refused(tmp_path):
 
 
 def test_the_list_syntax_takes_each_name_as_written(tmp_path):
-    """README, "File lists": a BOM is ignored, \\r\\n endings too; spaces at either end belong to the
+    """docs/SOURCES.md: a BOM is ignored, \\r\\n endings too; spaces at either end belong to the
     name; # starts a comment only as a line's first character (./#name lists such a file); a name
     that is not UTF-8 comes back byte for byte through os.fsencode."""
     listing = tmp_path / "list.txt"
