@@ -332,7 +332,7 @@ def parse_yaml(text: str, what: str) -> Any:
     characters) if it is not valid."""
     try:
         return yaml.load(text, Loader=BoundedLoader)  # noqa: S506 (a safe loader)
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, ValueError, TypeError, OverflowError) as e:  # its constructors: a date 2001-13-45, !!int abc
         raise ConfigError(f"{what} is not valid YAML: {' '.join(str(e).split())[:300]}") from None
 
 
@@ -463,6 +463,9 @@ def resolve_model_path(config: Config, *, on_cpu: bool = False) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()
+        if candidate.exists():  # a folder, a FIFO, a device: named as what it is, not as missing
+            raise ConfigError(f"model.{key}: {candidate} is not a file; give the model file's path (--model FILE, the "
+                              f"API's model=, or model.{key})")
     tried = ", ".join(str(c) for c in candidates)
     raise ConfigError(f"model.{key}: {text} not found (looked in: {tried}); give the model file's path (--model "
                       f"FILE, the API's model=, or model.{key}); models gpudet does not ship are made by scripts/, "

@@ -11,6 +11,7 @@ leave the image at the top is drawn inside its box.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
+from .errors import OutputError
 from .layout import DRAWINGS_MARKER
 
 PALETTE = ((230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
@@ -60,9 +62,12 @@ def draw_records(records: Iterable[dict], out_dir: str | Path, *, root: str | Pa
                  ) -> tuple[list[Path], list[str]]:
     """Write one annotated image per record (the first `limit`) into out_dir. A record's relative
     path resolves against `root` (default: the working directory). Returns the files written and
-    one line per image that could not be drawn (missing, unreadable): those are skipped."""
+    one line per image that could not be drawn (missing, unreadable): those are skipped. A file
+    of the drawing's name is replaced only in a folder gpudet draw wrote (its mark), never
+    through a symbolic link: anything else there is someone else's (OutputError)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    ours = (out / DRAWINGS_MARKER).is_file()
     (out / DRAWINGS_MARKER).touch()  # a folder source that holds this folder leaves the drawings out
     written, skipped = [], []
     for k, record in enumerate(records):
@@ -77,6 +82,9 @@ def draw_records(records: Iterable[dict], out_dir: str | Path, *, root: str | Pa
             skipped.append(f"{source}: {e.strerror if isinstance(e, OSError) and e.strerror else e}")
             continue
         path = out / f"{int(record['index']):08d}_{safe_stem(source)}.{image_format}"
+        if path.is_symlink() or (os.path.lexists(path) and not ours):
+            raise OutputError(f"{path} is there already, and not a drawing gpudet made; gpudet never replaces a file "
+                              "it did not write: give --out a new or empty folder, or one gpudet draw wrote")
         image.save(path, FORMATS[image_format], **({"quality": 90} if image_format != "png" else {}))
         written.append(path)
     return written, skipped
@@ -92,7 +100,7 @@ def recorded_root(detections: str | Path) -> str | None:
         folder = folder.parent
     try:
         cwd = json.loads((folder / "summary.json").read_text()).get("cwd")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
     return cwd if isinstance(cwd, str) else None
 

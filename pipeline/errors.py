@@ -15,6 +15,7 @@ and says what to do; `guarded` turns it into one line on stderr and its exit cod
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -67,9 +68,15 @@ class OutputWriteError(GpudetError, OSError):
 
     RESUME = "every record written before is complete: make room, then run again with --resume"
 
+    ACCESS = (errno.EACCES, errno.EPERM, errno.EROFS)
+    """Not a full disk: a folder gpudet may not write (exit 2, like any --out it cannot use)."""
+
     def __init__(self, path, error: OSError, advice: str = RESUME):
         reason = {errno.ENOSPC: "the disk is full", errno.EFBIG: "the file size limit is reached (ulimit -f)",
                   errno.EDQUOT: "the disk quota is reached"}.get(error.errno, error.strerror or str(error))
+        if error.errno in self.ACCESS:
+            self.exit_code = EXIT_USAGE
+            advice = "give gpudet write access to it, or write into another --out; what was written before stays"
         super().__init__(f"writing {path} failed: {reason}; {advice}")
 
 
@@ -133,6 +140,7 @@ def ensure_standard_streams() -> None:
             if null != fd:
                 os.dup2(null, fd)
                 os.close(null)
+            os.set_inheritable(fd, True)  # a process this one starts (a --devices worker) gets it too
     if sys.stdout is None:  # Python sets these to None when it starts with the descriptor closed
         sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 (the process's own stream)
     if sys.stderr is None:
@@ -199,7 +207,8 @@ def stderr_into_log(source: str, level_of: Callable[[str], int]) -> Iterator[Tex
     try:
         yield DroppingWrites(stderr)
     finally:
-        sys.stderr.flush()
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # closed, gone, or None
+            sys.stderr.flush()
         os.dup2(real, 2)  # the pipe's last writer in this process is gone: the reader ends
         os.close(real)
         reader.join(timeout=5)

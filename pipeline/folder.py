@@ -140,8 +140,23 @@ class OutputFolder:
         folder, before any record)."""
         self._made, self._lock_made = [], False
         changes, self._changes = self._changes, []
-        for change in changes:
-            change()
+        if changes:
+            blocked = [p for p in (self.path, *self._cleared_folders()) if p.is_dir() and not os.access(p, os.W_OK)]
+            if blocked:  # before any change: a half-cleared folder would be neither the old run's nor this one's
+                raise OutputError(f"{blocked[0]}: gpudet may not write in this folder; give it write access, or "
+                                  "write into another --out (nothing in it changed)")
+        try:
+            for change in changes:
+                change()
+        except OSError as e:
+            raise OutputWriteError(e.filename or self.path, e) from None
+
+    def _cleared_folders(self) -> list[Path]:
+        """The folders --overwrite removes files from, besides --out: the shards, the Parquet folders."""
+        if not self.overwrite:
+            return []
+        folders = [self.path / SHARDS, *shard_folders(self.path)]
+        return folders + [f / k.file for f in [self.path, *folders] for k in map(record_format, FORMATS)]
 
     def close(self) -> None:
         """Release the folder for another run. A folder this run made and never started (started())
@@ -202,6 +217,8 @@ class OutputFolder:
         processed again. The images recorded as failed before count in `tally.failed_before`
         (and in the exit code)."""
         kept = self.path / self.SETTINGS
+        if kept.is_file() and not os.access(kept, os.R_OK):
+            raise OutputError(f"{kept}: gpudet may not read it; give it read access, or write into another --out")
         marked = None if settings is None else layout.with_marker(settings, __version__)
         if self.overwrite:  # nothing recorded counts
             self._changes = [self._clear]
@@ -388,7 +405,10 @@ def written_format(folder: str | Path) -> str | None:
     none holds a record yet (a run stopped before its first Parquet file, with only errors.jsonl
     written), the format whose detections file or folder a run made there; None if neither tells
     (or both do, which OutputFolder refuses to continue without --format)."""
-    folders = [Path(folder), *shard_folders(Path(folder))]
+    try:
+        folders = [Path(folder), *shard_folders(Path(folder))]
+    except OSError:  # a folder gpudet may not read: OutputFolder says so
+        return None
     kinds = [record_format(name) for name in FORMATS]
     held = {k.name for k in kinds for f in folders if k.holds_results(f / k.file)} or \
         {k.name for k in kinds for f in folders if (f / k.file).exists()}

@@ -52,7 +52,7 @@ def marked_settings(path: Path) -> dict | None:
         if not path.is_file() or path.is_symlink() or path.stat().st_size > 1 << 20:
             return None
         value = json.loads(path.read_bytes())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(value, dict):
         return None
@@ -78,9 +78,10 @@ def is_lock_file(path: Path) -> bool:
 
 
 def is_output_folder(path: Path) -> bool:
-    """A folder a gpudet run wrote into: its settings.json is gpudet's, or it holds a lock file of
-    gpudet's (a run that started writing it)."""
-    return marked_settings(path / SETTINGS) is not None or is_lock_file(path / LOCK)
+    """A folder a gpudet run wrote into: its settings.json, which a run writes before any record,
+    is gpudet's (a lock file alone is not enough: a run killed during its setup leaves one in a
+    folder it never wrote)."""
+    return marked_settings(path / SETTINGS) is not None
 
 
 def foreign_names(path: Path) -> list[str]:
@@ -94,14 +95,18 @@ def foreign_names(path: Path) -> list[str]:
     return names
 
 
-def skipped_in_walk(top: Path, dirs: list[str], files: list[str], root: Path) -> tuple[list[str], list[str]]:
-    """What a folder walk lists of one folder `top` (os.walk's dirs and files): everything, but a
-    gpudet output or drawing folder below the source `root` is left out whole, and in a source
-    that is itself an output folder gpudet's own entries are. Returns (dirs, files) to keep."""
-    own = DRAWINGS_MARKER in files or (LOCK in files and is_output_folder(top))
-    if own and top != root:
-        return [], []
-    if own:
+DRAWING = re.compile(r"\d{8}_[A-Za-z0-9._-]{1,64}\.(jpg|png|webp)")
+"""A drawing's name, as gpudet draw writes it: 00000042_street.jpg."""
+
+
+def skipped_in_walk(top: Path, dirs: list[str], files: list[str]) -> tuple[list[str], list[str]]:
+    """What a folder walk lists of one folder `top` (os.walk's dirs and files): everything but
+    gpudet's own entries: in an output folder, the names gpudet writes; in a folder `gpudet draw`
+    wrote into, its mark and the drawings. The user's own files there stay listed (an output folder
+    may be the source folder, or hold photos). Returns (dirs, files) to keep."""
+    if SETTINGS in files and is_output_folder(top):
         dirs = [d for d in dirs if d not in NAMES]
-        files = [f for f in files if f not in NAMES and f != DRAWINGS_MARKER]
+        files = [f for f in files if f not in NAMES]
+    if DRAWINGS_MARKER in files:
+        files = [f for f in files if f != DRAWINGS_MARKER and not DRAWING.fullmatch(f)]
     return dirs, files

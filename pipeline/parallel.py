@@ -40,7 +40,7 @@ from typing import Any
 
 from .config import Config
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, STOP_SIGNALS, DeviceError, \
-    DroppingWrites, guarded, logging_settings, setup_logging, signals_held
+    DroppingWrites, OutputError, ensure_standard_streams, guarded, logging_settings, setup_logging, signals_held
 from .folder import OutputFolder, Tally, recorded, result_paths
 from .job import Outcome, RunOptions
 from .layout import SHARDS
@@ -118,6 +118,7 @@ def _worker(todo: list[ImageRef], shard: str, config: Config, output_format: str
     reaches every process of the group, is left to the parent, so that a worker is asked once),
     and dies with its parent (`die_with`). It holds the output folder's lock with the parent (`lock`)."""
     die_with(parent)
+    ensure_standard_streams()
     setup_logging(*logging_setup)
 
     def run() -> int:
@@ -182,6 +183,11 @@ class OnDevices:
         counts what each recorded."""
         started = time.perf_counter()
         shards = [folder.path / SHARDS / str(k) for k in range(len(self.devices))]
+        for path in (folder.path / SHARDS, *shards):  # before the folder changes: gpudet's folders, or none yet
+            if os.path.lexists(path) and (path.is_symlink() or not path.is_dir()):
+                what = "a symbolic link" if path.is_symlink() else "a file"
+                raise OutputError(f"{path} is not a shard folder gpudet made ({what}); gpudet never writes through "
+                                  "or over it: move it, or write into another --out")
         folder.started()  # the workers write into its shards from here
         context = multiprocessing.get_context("spawn")
 

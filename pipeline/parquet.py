@@ -128,10 +128,14 @@ def write_parquet(table, path: Path) -> None:
 
 
 def parquet_files(folder: Path) -> list[Path]:
-    """A detections.parquet folder's files, in writing order (none if it does not exist): what
-    readers of the folder read as its table (pandas, DuckDB's *.parquet). gpudet removes only the
-    ones it names (layout.PARQUET_PART)."""
-    return sorted(p for p in folder.glob("*.parquet") if p.is_file()) if folder.is_dir() else []
+    """The files of a detections.parquet folder that gpudet wrote (layout.PARQUET_PART), in
+    writing order; none if it does not exist. Any other file there is not gpudet's: it is never
+    read as records, moved, rewritten or removed (pandas and DuckDB would read it as part of the
+    table: keep your own files elsewhere)."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob("part-*.parquet")
+                  if layout.PARQUET_PART.fullmatch(p.name) and p.is_file() and not p.is_symlink())
 
 
 def read_parquet_file(path: Path, columns: list[str] | None = None, *, fix: str = RESUME_FIX):

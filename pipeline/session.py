@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from .config import Config, RunConfig, resolve_model_path
+from .config import Config, RunConfig, resolve_model_path, shown
 from .errors import ModelError, signals_held
 
 if os.environ.get("ORT_DISABLE_TELEMETRY") != "0":  # as pipeline/__init__ says, for an onnxruntime imported before it
@@ -173,7 +173,11 @@ def check_external_data(model_path: Path) -> None:
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
         location = next((e.value for e in tensor.external_data if e.key == "location"), "")
-        target = (folder / location).resolve()
+        try:
+            target = (folder / location).resolve()
+        except (ValueError, OSError):  # a NUL byte, a loop of links: no file it could read
+            raise ModelError(f"{model_path}: tensor {tensor.name!r} reads external data from {shown(location)}, "
+                             "which names no file; refusing to load it") from None
         if Path(location).is_absolute() or not target.is_relative_to(folder):
             raise ModelError(f"{model_path}: tensor {tensor.name!r} reads external data from {location!r}, outside "
                              f"the model's folder {folder}; refusing to load it")

@@ -87,11 +87,16 @@ def read_complete_records(path: Path) -> Iterator[dict]:
 
 
 def cut_torn_tail(path: Path) -> None:
-    """Truncate the file after its last newline, if anything follows it (read from the end)."""
+    """Truncate the file after its last newline, if anything follows it (read from the end).
+    Never through a symbolic link; OutputError naming a file that cannot be opened."""
     try:
-        f = open(path, "rb")
+        f = os.fdopen(os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW), "r+b")
     except FileNotFoundError:
         return
+    except OSError as e:
+        what = "is a symbolic link; gpudet never reads or writes records through one" if e.errno == errno.ELOOP else \
+            f"cannot be opened ({e.strerror or e})"
+        raise OutputError(f"{path} {what}: remove it, or give gpudet access to it") from None
     with f:
         end = size = f.seek(0, os.SEEK_END)
         while end:
@@ -102,8 +107,7 @@ def cut_torn_tail(path: Path) -> None:
                 end = start + at + 1
                 break
             end = start
-    if end < size:
-        with open(path, "r+b") as f:
+        if end < size:
             f.truncate(end)
 
 
@@ -121,10 +125,10 @@ def parse_record(line: bytes, path: Path, number: int, *, fix: str = LINE_FIX,
     machine left) is an OutputError naming it and saying `fix`."""
     try:
         record = orjson.loads(line)
-    except orjson.JSONDecodeError:
+    except (orjson.JSONDecodeError, RecursionError):
         try:
             record = json.loads(line)
-        except ValueError:  # not JSON; UnicodeDecodeError for NUL bytes
+        except (ValueError, RecursionError):  # not JSON; UnicodeDecodeError for NUL bytes; nested too deep
             record = None
     index = record.get("index") if isinstance(record, dict) else None
     if not isinstance(index, int) or isinstance(index, bool) or not isinstance(record.get("path"), str) or \

@@ -121,8 +121,8 @@ def looks_like_a_list(path: Path) -> bool:
 
 def images_in(folder: Path) -> list[Path]:
     """The image files under `folder`, searched recursively (links to folders not followed), in
-    pathlib's sorted order; gpudet's own output and drawing folders inside it, and its own files
-    where `folder` is an output folder, are left out (layout.skipped_in_walk). What is named as an
+    pathlib's sorted order; gpudet's own files in it (the records of an output folder, the
+    drawings of `gpudet draw`) are left out (layout.skipped_in_walk). What is named as an
     image but is no regular file (a dangling link, a FIFO) is listed, as a file list lists it, so
     that its record says why it was not read. A folder inside it that cannot be read is named in
     a warning (the images in it cannot be listed, so no record can say they were missed); `folder`
@@ -130,7 +130,7 @@ def images_in(folder: Path) -> list[Path]:
     found: list[Path] = []
     unreadable: list[OSError] = []
     for top, dirs, names in os.walk(folder, onerror=unreadable.append):
-        dirs[:], names = layout.skipped_in_walk(Path(top), dirs, names, folder)
+        dirs[:], names = layout.skipped_in_walk(Path(top), dirs, names)
         paths = (Path(top, name) for name in names)
         found += [p for p in paths if p.suffix.lower() in IMAGE_EXTENSIONS]  # pathlib's suffix: ..jpg's is .jpg
     for e in unreadable:
@@ -218,6 +218,14 @@ class FileTooLarge(OSError):
         self.size = size
 
 
+def file_kind(path: str) -> str | None:
+    """What a path that is no regular file is ("a socket", ...); None for a regular file or none."""
+    try:
+        return _FILE_KINDS.get(stat.S_IFMT(os.stat(path).st_mode))
+    except (OSError, ValueError):
+        return None
+
+
 _FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device",
                stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
 
@@ -245,6 +253,10 @@ def read_checked(ref: ImageRef, max_pixels: int = 0, max_bytes: int = 0) -> Enco
     except FileTooLarge as e:
         return over_cap(ref, e.size, max_bytes)
     except OSError as e:
+        kind = file_kind(ref.path)
+        if kind is not None:  # a socket cannot even be opened (ENXIO)
+            return ImageError(ref.index, ref.path, "not_a_file", f"is {kind}, not an image file: only regular files "
+                                                                 "are read; list the image file itself")
         return ImageError(ref.index, ref.path, "unreadable", f"cannot read: {e.strerror or e}; check the file's "
                                                          "permissions and the disk it is on")
     except ValueError:  # no file name holds a NUL byte (a binary file given as the list, say)

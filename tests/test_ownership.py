@@ -20,10 +20,13 @@ from conftest import EXPECTED_FACES, PHOTOS, SAMPLES, gpudet, one_clear_line, re
 
 from pipeline.cli import main
 
-def tree(folder: Path) -> dict[str, bytes]:
-    """Every file under `folder` (links as their target's name) by its relative path, with its bytes."""
+def tree(folder: Path, *, lock: bool = True) -> dict[str, bytes]:
+    """Every file under `folder` (links as their target's name) by its relative path, with its
+    bytes; lock=False: without gpudet's lock file, which each run rewrites with its pid."""
     files = {}
     for path in sorted(folder.rglob("*")):
+        if not lock and path.name == ".gpudet.lock":
+            continue
         if path.is_symlink():
             files[str(path.relative_to(folder))] = os.readlink(path).encode()
         elif path.is_file():
@@ -469,3 +472,171 @@ def test_a_folder_source_records_dangling_links_and_fifos_named_as_images(tmp_pa
     failed = {Path(e["path"]).name: e for e in read_jsonl(tmp_path / "o" / "errors.jsonl")}
     assert {k: e["reason"] for k, e in failed.items()} == {"gone.jpg": "missing", "pipe.jpg": "not_a_file"}
     assert "nowhere.jpg, which does not exist" in failed["gone.jpg"]["message"]
+
+
+def test_a_parquet_file_that_is_not_gpudets_part_is_never_merged_moved_or_removed(tmp_path):
+    """A file of the user's in detections.parquet/ (a copy of a part, another table) through a
+    --devices run, its --resume and an --overwrite: read by none, removed by none."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "o"
+    assert gpudet("detect", SAMPLES, "--out", out, "--devices", "cpu,cpu", "--format", "parquet").returncode == 0
+    part = sorted((out / "detections.parquet").glob("part-*.parquet"))[0]
+    (out / "detections.parquet" / "zz_backup.parquet").write_bytes(part.read_bytes())
+    pq.write_table(pa.table({"index": [0], "path": ["x"]}), out / "detections.parquet" / "mine.parquet")
+    before = tree(out / "detections.parquet")
+    mine = {k: v for k, v in before.items() if not k.startswith("part-")}
+    for extra in (["--resume"], ["--overwrite"]):
+        run = gpudet("detect", SAMPLES, "--out", out, "--devices", "cpu,cpu", "--format", "parquet", *extra)
+        assert run.returncode == 0, (extra, run.stderr[-2000:])
+        assert {k: v for k, v in tree(out / "detections.parquet").items() if k in mine} == mine, extra
+    assert len(pq.read_table(out / "detections.parquet", ignore_prefixes=["zz_", "mine"])) == len(EXPECTED_FACES)
+
+
+@pytest.mark.parametrize("what", ["a link to a folder", "a file"])
+def test_a_shard_path_that_is_not_gpudets_folder_is_refused_before_anything_changes(tmp_path, what):
+    out, mine = tmp_path / "o", tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    assert gpudet("detect", SAMPLES, "--out", out, "--device", "cpu").returncode == 0
+    (out / ".gpudet-shards").mkdir()
+    if what == "a file":
+        (out / ".gpudet-shards" / "0").write_text("mine\n")
+    else:
+        (out / ".gpudet-shards" / "0").symlink_to(mine)
+    before = tree(out, lock=False)
+    one_clear_line(gpudet("detect", SAMPLES, "--out", out, "--devices", "cpu,cpu", "--overwrite"), 2,
+                   "is not a shard folder gpudet made")
+    assert tree(out, lock=False) == before and tree(mine) == {"notes.txt": b"mine\n"}
+
+
+def test_a_lock_left_by_a_run_killed_in_setup_does_not_make_a_users_folder_gpudets(tmp_path):
+    out = tmp_path / "proj"
+    out.mkdir()
+    (out / ".gpudet.lock").write_text("pid 123 on host, started 2026-01-01T00:00:00+00:00\n")
+    (out / "settings.json").write_text('{"editor": "settings"}\n')
+    (out / "summary.json").write_text('{"my": "summary"}\n')
+    before = tree(out)
+    one_clear_line(gpudet("detect", SAMPLES, "--out", out, "--device", "cpu"), 2, "settings.json", "summary.json")
+    assert tree(out) == before
+
+
+def test_a_link_in_a_shard_is_never_read_or_cut_through(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(b"line one\nline two, no newline")
+    out = tmp_path / "o"
+    assert gpudet("detect", SAMPLES, "--out", out, "--device", "cpu").returncode == 0
+    (out / ".gpudet-shards" / "0").mkdir(parents=True)
+    (out / ".gpudet-shards" / "0" / "errors.jsonl").symlink_to(notes)
+    one_clear_line(gpudet("detect", SAMPLES, "--out", out, "--device", "cpu", "--resume"), 2, "symbolic link")
+    assert notes.read_bytes() == b"line one\nline two, no newline"
+
+
+def test_devices_with_stderr_closed_records_every_image(tmp_path):
+    run = subprocess.run(f"{sys.executable} -m pipeline detect {SAMPLES} --out {tmp_path / 'o'} --devices cpu,cpu 2>&-",
+                         shell=True, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0 and "Traceback" not in run.stdout, run.stdout[-2000:]
+    assert len(read_jsonl(tmp_path / "o" / "detections.jsonl")) == len(EXPECTED_FACES)
+    assert not (tmp_path / "o" / ".gpudet-shards").exists()
+
+
+def test_a_folder_once_used_as_out_or_drawn_into_keeps_its_photos_in_a_later_source(tmp_path):
+    """gpudet's own files are left out of a folder source, never the user's photos beside them:
+    a subfolder that was a run's source and --out, drawings made into the source folder itself."""
+    photos = images_in(tmp_path, 2)
+    (photos / "2024").mkdir()
+    for photo in PHOTOS[2:5]:
+        shutil.copy(photo, photos / "2024" / photo.name)
+    assert gpudet("detect", photos / "2024", "--out", photos / "2024", "--device", "cpu").returncode == 0
+    assert main(["draw", str(photos / "2024"), "--out", str(photos), "--quiet"]) == 0  # drawings beside the photos
+    assert len(list(photos.glob("0*_*.jpg"))) == 3
+    run = gpudet("detect", photos, "--out", tmp_path / "all", "--device", "cpu")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert sorted(Path(r["path"]).name for r in read_jsonl(tmp_path / "all" / "detections.jsonl")) == \
+        sorted(p.name for p in PHOTOS[:5])
+
+
+def test_draw_never_replaces_a_file_it_did_not_draw(tmp_path):
+    out, mine = tmp_path / "o", tmp_path / "mine"
+    assert gpudet("detect", SAMPLES / "china.jpg", "--out", out, "--device", "cpu").returncode == 0
+    mine.mkdir()
+    (mine / "00000000_china.jpg").write_text("precious\n")
+    one_clear_line(gpudet("draw", out, "--out", mine), 2, "00000000_china.jpg", "not a drawing gpudet made")
+    assert (mine / "00000000_china.jpg").read_text() == "precious\n"
+    assert gpudet("draw", out, "--out", tmp_path / "vis").returncode == 0
+    assert gpudet("draw", out, "--out", tmp_path / "vis").returncode == 0  # its own drawings: replaced
+
+
+@pytest.mark.parametrize("value", ["2001-13-45", "!!int abc", "!!float x", "!!timestamp 2020-99-99"])
+def test_values_yaml_cannot_construct_are_one_line(tmp_path, value):
+    one_clear_line(gpudet("detect", SAMPLES, "--out", tmp_path / "o", "--set", f"run.device={value}"), 2,
+                   "run.device=", "not valid YAML")
+
+
+def test_deeply_nested_json_in_the_folder_is_one_line(tmp_path):
+    out = tmp_path / "o"
+    assert gpudet("detect", SAMPLES, "--out", out, "--device", "cpu").returncode == 0
+    with open(out / "detections.jsonl", "a") as f:
+        f.write("[" * 5000 + "\n")
+    one_clear_line(gpudet("detect", SAMPLES, "--out", out, "--device", "cpu", "--resume"), 2, "line 7")
+    (out / "settings.json").write_text("[" * 100_000)
+    one_clear_line(gpudet("detect", SAMPLES, "--out", tmp_path / "o", "--device", "cpu", "--resume"), 2)
+
+
+def test_external_data_that_names_no_file_is_one_line(tmp_path):
+    import onnx
+    from onnx import helper
+
+    weight = helper.make_tensor("w", onnx.TensorProto.FLOAT, [1], [1.0])
+    weight.data_location = onnx.TensorProto.EXTERNAL
+    weight.ClearField("float_data")
+    weight.external_data.add(key="location", value="a\x00b")
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["b", 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["b", 3, 8, 8])], [weight])
+    model = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(model))
+    one_clear_line(gpudet("inspect", model), 2, "names no file")
+
+
+def test_a_socket_in_a_folder_source_is_not_a_file(tmp_path):
+    import socket
+
+    source = images_in(tmp_path, 1)
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(source / "sock.jpg"))
+    try:
+        assert gpudet("detect", source, "--out", tmp_path / "o", "--device", "cpu").returncode == 3
+    finally:
+        server.close()
+    assert [e["reason"] for e in read_jsonl(tmp_path / "o" / "errors.jsonl")] == ["not_a_file"]
+
+
+NOCAP = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner",
+         "--inh-caps=-dac_override,-dac_read_search,-fowner"]
+
+
+@pytest.mark.parametrize("case", ["out read-only", "records unreadable", "parquet folder read-only"])
+def test_what_gpudet_may_not_read_or_write_is_one_line_and_changes_nothing(tmp_path, case):
+    """Permissions, as a user without root meets them (root's overrides dropped where the tests
+    run as root): one line, exit 2, the folder as it was."""
+    if os.geteuid() == 0 and (shutil.which("setpriv") is None or subprocess.run([*NOCAP, "true"]).returncode):
+        pytest.skip("root, and no setpriv to drop root's file-permission overrides")
+    out = tmp_path / "o"
+    output_format = "parquet" if "parquet" in case else "jsonl"
+    assert gpudet("detect", SAMPLES, "--out", out, "--device", "cpu", "--format", output_format).returncode == 0
+    target = {"out read-only": out, "records unreadable": out / "detections.jsonl",
+              "parquet folder read-only": out / "detections.parquet"}[case]
+    target.chmod(0o000 if case == "records unreadable" else 0o555)
+    before = tree(out, lock=False) if case != "records unreadable" else None
+    try:
+        extra = "--overwrite" if "parquet" in case else "--resume"
+        prefix = NOCAP if os.geteuid() == 0 else []
+        run = subprocess.run([*prefix, sys.executable, "-m", "pipeline", "detect", str(SAMPLES), "--out", str(out),
+                              "--device", "cpu", extra], capture_output=True, text=True, timeout=300)
+        one_clear_line(run, 2)
+    finally:
+        target.chmod(0o755 if target.is_dir() else 0o644)
+    if before is not None:
+        assert tree(out, lock=False) == before

@@ -271,10 +271,10 @@ def test_draw_and_the_coco_reader_take_a_parquet_output(tmp_path, capsys):
     assert read_detections(tmp_path / "p" / "detections.parquet") == read_detections(tmp_path / "p")
     assert main(["draw", str(tmp_path / "p"), "--out", str(tmp_path / "drawn"), "--quiet"]) == 0
     assert len(list((tmp_path / "drawn").glob("*.jpg"))) == 6
-    (tmp_path / "p" / "detections.parquet" / "part-9.parquet").write_bytes(b"")
+    (tmp_path / "p" / "detections.parquet" / "part-9-0badf00d.parquet").write_bytes(b"")
     assert main(["draw", str(tmp_path / "p"), "--out", str(tmp_path / "drawn"), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "part-9.parquet: not Parquet that gpudet detect wrote" in err and "gpudet detect --resume" in err
+    assert "part-9-0badf00d.parquet: not Parquet that gpudet detect wrote" in err and "gpudet detect --resume" in err
     assert len(err.splitlines()) == 1, err
     shutil.rmtree(tmp_path / "p" / "detections.parquet")
     (tmp_path / "p" / "detections.parquet").mkdir()  # a run where every image failed
@@ -284,12 +284,12 @@ def test_draw_and_the_coco_reader_take_a_parquet_output(tmp_path, capsys):
 def test_what_is_not_gpudets_parquet_is_one_line_on_resume(tmp_path, capsys):
     out = tmp_path / "o"
     assert detect(SAMPLES, "--out", out, "--format", "parquet") == 0
-    (out / "detections.parquet" / "part-0.parquet").write_bytes(b"")  # empty, as a crash could leave one
+    (out / "detections.parquet" / "part-0-0badf00d.parquet").write_bytes(b"")  # empty, as a crash could leave one
     capsys.readouterr()
     assert detect(SAMPLES, "--out", out, "--format", "parquet", "--resume") == 2
     err = capsys.readouterr().err
-    assert "part-0.parquet: not Parquet that gpudet detect wrote" in err and len(err.splitlines()) == 1, err
-    (out / "detections.parquet" / "part-0.parquet").unlink()
+    assert "part-0-0badf00d.parquet: not Parquet that gpudet detect wrote" in err and len(err.splitlines()) == 1, err
+    (out / "detections.parquet" / "part-0-0badf00d.parquet").unlink()
     shutil.rmtree(out / "detections.parquet")
     (out / "detections.parquet").write_text("not a folder")
     assert detect(SAMPLES, "--out", out, "--format", "parquet", "--resume") == 2
