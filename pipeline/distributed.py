@@ -62,7 +62,7 @@ class DetectActor:
 
         self.detector = Detector.from_config(config)
         self.shard = OutputFolder(Path(shards) / f"{SHARD_PREFIX}{uuid.uuid4().hex[:12]}",
-                                  output_format=output_format, resume=True)
+                                  output_format=output_format, resume=True, shard=True)
         self.requests: queue.Queue = queue.Queue()
         self.failure: BaseException | None = None
         """Why the stream ended, if it did: every request from then on fails with it."""

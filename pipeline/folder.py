@@ -92,11 +92,13 @@ class OutputFolder:
     had them, with gpudet's key (layout.MARKER_KEY): --resume with others is refused."""
 
     def __init__(self, path: str | Path, *, output_format: str = "jsonl", resume: bool = False,
-                 overwrite: bool = False, retry_failed: bool = False, flush_s: float = FLUSH_S):
+                 overwrite: bool = False, retry_failed: bool = False, flush_s: float = FLUSH_S, shard: bool = False):
         """output_format: how processed images are written, "jsonl" or "parquet" (FORMATS; errors
         are JSONL in both); resume: continue, skipping what is recorded; retry_failed (with
         resume): also process again the images recorded as failed; overwrite: start again;
-        flush_s: Parquet's longest wait before held rows are written."""
+        flush_s: Parquet's longest wait before held rows are written. shard: a --devices worker's
+        or a Ray actor's folder inside .gpudet-shards/ of an output folder its run holds (and
+        checked): gpudet's by its place, with no settings.json of its own."""
         self._lock = -1
         self._made: list[Path] = []
         """The folders this run made (--out and the parents it lacked): if it ends before it started
@@ -119,7 +121,8 @@ class OutputFolder:
         self._changes: list[Callable[[], None]] = []
         """What `begin` accepted and `started` does to the folder's files (a run refused or stopped
         before it starts leaves them as they were)."""
-        check_not_foreign(self.path)
+        if not shard:
+            check_not_foreign(self.path)
         self._made = make_folder(self.path)
         try:
             linked = [self.path / name for name in sorted(layout.NAMES) if (self.path / name).is_symlink()]
@@ -127,7 +130,8 @@ class OutputFolder:
                 raise OutputError(f"{linked[0]} is a symbolic link; gpudet never writes through one: remove it")
             self._lock_made = not os.path.lexists(self.path / self.LOCK)
             self._lock = hold_lock(self.path / self.LOCK, self.path)
-            check_not_foreign(self.path)  # again, holding the folder: nothing changed since the first look
+            if not shard:
+                check_not_foreign(self.path)  # again, holding the folder: nothing changed since the first look
         except BaseException:
             self.close()
             raise
@@ -424,6 +428,11 @@ def check_not_foreign(path: Path) -> None:
         foreign = layout.foreign_names(path)
     except OSError:  # what cannot be looked at is refused where the folder is made or locked
         return
+    others = [name for name in foreign if name != layout.SETTINGS]
+    if layout.SETTINGS in foreign and others:  # gpudet's names beside it: an edited settings.json?
+        raise OutputError(f"{path / layout.SETTINGS} is not the settings file gpudet wrote (edited, or another "
+                          f"program's), so gpudet cannot tell whether {', '.join(others[:3])} there are its own; "
+                          "restore it, move those files, or give --out a new folder")
     if foreign:
         raise OutputError(f"--out {path} holds {', '.join(foreign[:4])}, which gpudet did not write (it holds no "
                           f"{layout.SETTINGS} of gpudet's): gpudet never replaces or removes a file it did not write; "

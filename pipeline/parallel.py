@@ -138,7 +138,7 @@ def _worker(todo: list[ImageRef], shard: str, config: Config, output_format: str
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
             # Parquet rows written every 2 s: the parent's progress bar reads the shard's files, and
             # restarts a worker that died only if it had recorded images.
-            with OutputFolder(shard, output_format=output_format, resume=True, flush_s=2.0) as folder:
+            with OutputFolder(shard, output_format=output_format, resume=True, flush_s=2.0, shard=True) as folder:
                 outcome = detect_into(folder, todo, config, progress=False)
                 return finish(folder, todo, outcome, source=source, images=images, config=config, model=None,
                               started_at=started_at, startup_s=startup_s, t0=t0).exit_code

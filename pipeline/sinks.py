@@ -144,6 +144,9 @@ def iter_complete_lines(path: Path) -> Iterator[tuple[int, bytes]]:
         f = open(path, "rb")
     except FileNotFoundError:
         return
+    except OSError as e:  # a folder of that name, a file gpudet may not read
+        raise OutputError(f"{path}: cannot read it as records ({e.strerror or e}); move it, or give gpudet access "
+                          "to it") from None
     with f:
         for number, line in enumerate(f, 1):
             if line.endswith(b"\n") and line.strip():

@@ -130,19 +130,23 @@ NAMES = ["detections.jsonl", "errors.jsonl", "summary.json", "settings.json", ".
          ".gpudet-shards", "shards", "0", "ray-aaaaaaaaaaaa", "part-1-0badf00d.parquet", "notes.txt", "sub"]
 
 
+USERS_NAMES = ["notes.txt", "sub", "mine.parquet", "part-1.parquet", "shards", "a.jpg"]
+"""Names gpudet never writes inside its own folders (a file of its own name there is its own)."""
+
+
 @st.composite
-def user_trees(draw) -> dict[str, bytes]:
-    """Up to 6 files at depth 1 to 3, named from gpudet's own names and others."""
+def user_trees(draw, names: list[str] = NAMES) -> dict[str, bytes]:
+    """Up to 6 files at depth 1 to 3, named from `names` (gpudet's own names and others)."""
     files = {}
     for _ in range(draw(st.integers(1, 6))):
-        parts = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=3))
+        parts = draw(st.lists(st.sampled_from(names), min_size=1, max_size=3))
         files["/".join(parts)] = draw(st.binary(min_size=1, max_size=20))
     names = sorted(files)  # a path that is another's folder cannot also be a file
     return {k: v for k, v in files.items() if not any(other.startswith(k + "/") for other in names)}
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(files=user_trees(), inside=user_trees())
+@given(files=user_trees(), inside=user_trees(USERS_NAMES))
 def test_user_files_in_out_stay_byte_identical_or_the_run_is_refused(tmp_path_factory, files, inside):
     """A random tree of the user's files in --out (gpudet's names among them): a run, a --resume and
     an --overwrite each leave every one byte-identical, or refuse (exit 2); so do the user's files
@@ -157,8 +161,8 @@ def test_user_files_in_out_stay_byte_identical_or_the_run_is_refused(tmp_path_fa
     if code == 2:
         assert tree(out) == before
         return
-    for name, data in inside.items():  # into detections.jsonl's neighbours, a shard, the Parquet folder
-        for folder in (".gpudet-shards/1", "detections.parquet"):
+    for name, data in inside.items():  # beside gpudet's files in its own folders: the shards', the Parquet folder
+        for folder in (".gpudet-shards", "detections.parquet"):
             path = out / folder / name
             if not any(p.is_file() for p in [*path.parents][:-len(out.parts)]) and not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
