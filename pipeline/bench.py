@@ -270,12 +270,13 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
     items = [i for i in map(read_checked, refs[:detector.batch_size]) if isinstance(i, EncodedImage)]
     runs = gpudet_passes(refs, detector, passes, warm_up=False, output_format=output_format)
     median = sorted(runs, key=lambda run: run.images_per_s)[(len(runs) - 1) // 2]
+    encoded = [i for i in map(read_checked, refs) if isinstance(i, EncodedImage)]
+    megapixels = sum(i.pixels for i in encoded) / max(len(encoded), 1) / 1e6  # per image, as the headers say
     rates = {
         "gpudet": median.images_per_s,
         "model": model_images_per_s(items, detector, iterations),
-        # every image, in memory, as many batches in flight as the pipeline keeps
-        "preprocess": dali_images_per_s([i for i in map(read_checked, refs) if isinstance(i, EncodedImage)],
-                                        detector.preprocessor, in_flight=config.run.prefetch_batches),
+        # every image, in memory, decoded whole, as many batches in flight as the pipeline keeps
+        "preprocess": dali_images_per_s(encoded, detector.preprocessor, in_flight=config.run.prefetch_batches),
     }
     # The naive loop and the latency mode run one image at a time: not with a fixed batch size.
     fixed_batch = detector.engine.declared_batch if detector.engine.declared_batch not in (None, 1) else None
@@ -301,7 +302,9 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
         "images": len(refs), "output_format": output_format, **({"naive": naive} if naive else {}),
         "batch_size": detector.batch_size, "device": detector.device.describe(),
         "model": str(detector.model_path), "contract": detector.contract, "config": config.source_file,
-        "images_per_s": rates, "gpudet_stages_s": median.stages,
+        "images_per_s": rates, "megapixels_per_image": round(megapixels, 3),
+        "megapixels_per_s": {k: round(v * megapixels, 1) for k, v in rates.items() if k in ("gpudet", "preprocess")},
+        "gpudet_stages_s": median.stages,
         "detections_per_image": round(median.detections_per_image, 2),
         "gpudet_setup_s": {k: round(v, 3) for k, v in setup.items()},
         # what `gpudet detect` over these images takes from the command: setup, the first batch, the rest
@@ -318,11 +321,13 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
 def format_report(report: dict) -> str:
     lines = [f"gpudet bench: {report['images']} images, batch {report['batch_size']}, {report['device']}, "
              f"{Path(report['model']).name} ({report['contract']}), records as {report.get('output_format', 'jsonl')}",
-             f"  {'what':<12} {'images/s':>10}"]
+             f"  {'what':<12} {'images/s':>10} {'megapixels/s':>13}   ({report.get('megapixels_per_image', 0):.2f} MP "
+             "per image)"]
     for name, rate in report["images_per_s"].items():
         naive = report.get("naive", {})
         first = f"   (first {naive['images']} images, batch 1, {naive['precision']})" if name == "naive" else ""
-        lines.append(f"  {name:<12} {rate:>10.1f}{first}")
+        mp = report.get("megapixels_per_s", {}).get(name)
+        lines.append(f"  {name:<12} {rate:>10.1f} {'' if mp is None else f'{mp:.1f}':>13}{first}")
     if "gpudet_passes_images_per_s" in report:
         lines.append("  gpudet passes (images/s, the median above): " +
                      ", ".join(f"{rate:.1f}" for rate in report["gpudet_passes_images_per_s"]))

@@ -79,6 +79,16 @@ class PreprocessConfig:
     max_batch_pixels: int = 400_000_000
     """What one batch may decode at once, in declared pixels (3 bytes each): a batch of larger
     images is decoded in smaller batches. 400 MP holds 32 photos of 12 MP. 0: no bound."""
+    scaled_decode: bool = True
+    """A JPEG at least twice as large as the letterbox makes it (a 12 MP photo for a 640x640 model)
+    is decoded at 1/2, 1/4 or 1/8 of its size on the reading threads (libjpeg-turbo's reduced
+    DCT), then letterboxed by DALI: most of its pixels are never made. The result differs from a
+    full decode by the resampling alone (docs/BENCHMARKS.md measures the same faces); false decodes
+    every pixel, in DALI. CMYK JPEGs are decoded whole."""
+    scaled_share: float = 1.0
+    """scaled_decode on a GPU: the share of the batches whose large JPEGs the host decodes at a
+    reduced scale; the others go to DALI whole (the hardware decoder), so that both work at once.
+    On the CPU every large JPEG is decoded at a reduced scale."""
     hw_decoder_load: float = 0.9
     """decoder auto on a GPU with a hardware JPEG decoder (A100, H100, H200): the share of each
     batch's JPEGs it decodes (DALI's hw_decoder_load; its default is 0.65, slower on the H200:
@@ -107,8 +117,11 @@ class RunConfig:
     device: str = "auto"
     """auto | cpu | cuda | cuda:N. cuda without a usable GPU is an error, never a silent fallback."""
     num_threads: int = 4
-    """DALI's CPU threads (CPU decoding and CPU-side operators) and the file-reading threads. PNG
-    and other non-JPEG formats decode on the CPU: raise it for PNG-heavy sets."""
+    """DALI's CPU threads (CPU decoding and CPU-side operators). PNG and other non-JPEG formats
+    decode on the CPU: raise it for PNG-heavy sets."""
+    read_threads: int = 0
+    """Threads that read and check the files and decode large JPEGs at a reduced scale
+    (preprocess.scaled_decode); 0: one per core."""
     prefetch_batches: int = 2
     """Batches DALI preprocesses ahead of the one the engine takes (each one more holds a batch
     of encoded and decoded images and its model input in memory)."""
@@ -202,6 +215,8 @@ class Config:
         need(p.pad_value is None or 0 <= p.pad_value <= 255, "preprocess.pad_value",
              "must be a pixel value in [0, 255], or null for the mean colour")
         need(0.0 <= p.hw_decoder_load <= 1.0, "preprocess.hw_decoder_load", "must be in [0, 1]")
+        need(0.0 <= p.scaled_share <= 1.0, "preprocess.scaled_share", "must be in [0, 1]")
+        need(0 <= self.run.read_threads <= 256, "run.read_threads", "must be in 0..256 (0: one per core)")
         q = self.postprocess
         check_thresholds(q.score_threshold, q.iou_threshold, q.max_detections, where="postprocess.")
         need(0 < q.pre_nms_top_k <= 100_000, "postprocess.pre_nms_top_k", "must be in 1..100000")

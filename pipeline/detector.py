@@ -30,10 +30,11 @@ from .contracts import Contract, recognise
 from .engine import ORT_TO_TORCH, Engine, Launched
 from .errors import ConfigError
 from .postprocess import BadModelOutput, DeviceDetections, GraphCache, Thresholds, image_meta
-from .preprocess import PreprocessedBatch, Preprocessor, preprocess_stream
+from .preprocess import ByKind, PreprocessedBatch, Preprocessor, preprocess_stream
 from .results import Detections, ImageError, ImageRef, ImageResult
 from .session import drop_started, engine_arguments
-from .source import FLUSH, EncodedImage, Item, PixelImage, as_item, batched, list_images, read_chunks, within_pixels
+from .source import FLUSH, EncodedImage, Item, PixelImage, ScaledDecode, as_item, batched, list_images, read_chunks, \
+    within_pixels
 from .timing import StageClock
 
 log = logging.getLogger("gpudet")
@@ -48,16 +49,18 @@ class Detector:
     """
 
     def __init__(self, *, engine: Engine, preprocessor: Preprocessor, postprocess: Contract,
-                 thresholds: Thresholds, labels: list[str], contract: str, num_threads: int = 4,
+                 thresholds: Thresholds, labels: list[str], contract: str, read_threads: int = 4,
                  max_pixels: int = 0, max_file_bytes: int = 0, max_batch_pixels: int = 0, prefetch_batches: int = 2,
-                 config: Config | None = None):
+                 scaled: ScaledDecode | None = None, scaled_share: float = 1.0, config: Config | None = None):
         """The stages, built (`from_config` builds them from a config). thresholds: what the
         postprocess keeps unless a stream says otherwise. max_pixels, max_file_bytes: the
         source's checks (0: none); max_batch_pixels: what one DALI batch may decode (0: no bound).
-        config: what built them, for reports."""
+        read_threads: the threads that read and check files (and decode large JPEGs at a reduced
+        scale: `scaled`, for `scaled_share` of the batches). config: what built them, for reports."""
         self.engine, self.preprocessor, self.postprocess = engine, preprocessor, postprocess
         self.thresholds, self.labels, self.contract = thresholds, labels, contract
-        self.num_threads, self.prefetch_batches = num_threads, prefetch_batches
+        self.read_threads, self.prefetch_batches = read_threads, prefetch_batches
+        self.scaled, self.scaled_share = scaled, scaled_share
         self.max_pixels, self.max_file_bytes, self.max_batch_pixels = max_pixels, max_file_bytes, max_batch_pixels
         self.config = config
         self.device = engine.device
@@ -115,8 +118,11 @@ class Detector:
             pad_partial_batches=target.is_cuda or image.batch is not None)
         return cls(engine=engine, preprocessor=preprocessor, postprocess=postprocess, contract=contract.name,
                    thresholds=Thresholds(q.score_threshold, q.iou_threshold, q.max_detections), labels=m.labels,
-                   num_threads=r.num_threads, max_pixels=p.max_pixels, max_file_bytes=p.max_file_mb << 20,
-                   max_batch_pixels=p.max_batch_pixels, prefetch_batches=r.prefetch_batches, config=config)
+                   read_threads=r.read_threads or os.cpu_count() or 4, max_pixels=p.max_pixels,
+                   max_file_bytes=p.max_file_mb << 20, max_batch_pixels=p.max_batch_pixels,
+                   prefetch_batches=r.prefetch_batches,
+                   scaled=ScaledDecode(height, width, p.resize) if p.scaled_decode else None,
+                   scaled_share=p.scaled_share if target.is_cuda else 1.0, config=config)
 
     def describe(self) -> dict:
         """What runs: the model file (path, sha256), its contract, inputs and outputs, ORT's providers."""
@@ -176,8 +182,9 @@ class Detector:
         depth, count = self.engine.slots, 0
         pending: deque[tuple[PreprocessedBatch, Future]] = deque()  # past DALI, oldest first
         reading: dict[int, Future] = {}  # slot -> the postprocess reading its buffers
-        files = clock.timed(read_chunks(batches, batch_size=self.batch_size, num_threads=self.num_threads,
-                                        max_pixels=self.max_pixels, max_bytes=self.max_file_bytes), "read")
+        files = clock.timed(read_chunks(batches, batch_size=self.batch_size, num_threads=self.read_threads,
+                                        max_pixels=self.max_pixels, max_bytes=self.max_file_bytes, scaled=self.scaled,
+                                        scaled_share=self.scaled_share), "read")
         batches = clock.timed(self._preprocessed(readable(files, on_error, self.max_batch_pixels, self.device.torch),
                                                  on_error),
                               "preprocess")
@@ -228,19 +235,11 @@ class Detector:
     def _preprocessed(self, batches: Iterable[list[EncodedImage | PixelImage]],
                       on_error: Callable[[list[ImageError]], None]) -> Iterator[PreprocessedBatch]:
         """Each batch through DALI, run.prefetch_batches in flight: files and encoded bytes through
-        the decoding pipeline, decoded pixels through one of their own (built when first needed). A
-        FLUSH goes through the pipeline of the batches before it."""
-        last = "encoded"
-
-        def kind_of(batch) -> str:
-            nonlocal last
-            last = last if batch is FLUSH else source_of(batch)
-            return last
-
-        for source, group in groupby(batches, key=kind_of):
-            if source not in self._preprocessors:
-                self._preprocessors[source] = self.preprocessor.for_source(source)
-            yield from preprocess_stream(self._preprocessors[source], group, on_error, depth=self.prefetch_batches)
+        the decoding pipeline, decoded pixels (a large JPEG decoded at a reduced scale, an image
+        given in memory) through one of their own (built when first needed), both kinds in flight
+        at once, in order."""
+        pipelines = ByKind(self._preprocessors, source_of, self.preprocessor.for_source)
+        yield from preprocess_stream(pipelines, batches, on_error, depth=self.prefetch_batches)
 
     def _postprocess(self, batch: PreprocessedBatch, ran: Future, on_device: bool, thresholds: Thresholds,
                      clock: StageClock) -> Detections | DeviceDetections:

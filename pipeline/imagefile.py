@@ -45,6 +45,8 @@ class JpegFrame(NamedTuple):
     """Bits per sample."""
     width: int
     height: int
+    components: int = 3
+    """1 grey, 3 YCbCr (or RGB), 4 CMYK or YCCK."""
 
 
 DALI_JPEG = frozenset({0xC0, 0xC1, 0xC2})
@@ -76,7 +78,7 @@ def jpeg_frame(data: bytes) -> JpegFrame | None:
         length = int.from_bytes(data[i + 2:i + 4], "big")
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC) and i + 9 <= len(data):
             return JpegFrame(marker, data[i + 4], int.from_bytes(data[i + 7:i + 9], "big"),
-                             int.from_bytes(data[i + 5:i + 7], "big"))
+                             int.from_bytes(data[i + 5:i + 7], "big"), data[i + 9] if i + 9 < len(data) else 3)
         i += 2 + length
     return None
 

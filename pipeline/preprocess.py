@@ -205,6 +205,9 @@ class Preprocessor:
         expected = [item.ref.index for item in batch]
         assert returned.tolist() == expected, f"DALI returned batch {returned.tolist()}, fed {expected}"
         orig_hw = np.array(original_shape.as_tensor())[:, :2].astype(np.int64)
+        for row, item in enumerate(batch):  # a reduced decode (ScaledDecode): the image's own size
+            if getattr(item, "original_hw", None) is not None:
+                orig_hw[row] = item.original_hw
         resized_hw = np.array(resized_shape.as_tensor())[:, :2].astype(np.float32)
         return PreprocessedBatch(
             images=images.as_tensor(), refs=[item.ref for item in batch], orig_hw=orig_hw,
@@ -212,6 +215,47 @@ class Preprocessor:
 
     def run(self, batch: list[EncodedImage | PixelImage]) -> PreprocessedBatch:
         """Preprocess one batch and wait for it (nothing else may be in flight)."""
+        assert not self.in_flight
+        self.submit(batch)
+        return self.result()
+
+
+class ByKind:
+    """Preprocessors for each kind of batch (encoded files, host pixels, device pixels: source_of)
+    as one, for preprocess_stream: each batch goes to its kind's pipeline as it comes, several in
+    flight across them, and comes back in the order it was submitted. A batch that fails sends
+    every batch submitted after it back (PreprocessFailure.unfinished), those of the other
+    pipelines too (their results dropped: they are preprocessed again), so the order holds."""
+
+    def __init__(self, preprocessors: dict[str, Preprocessor], kind_of: Callable[[list], str],
+                 make: Callable[[str], Preprocessor]):
+        self.preprocessors, self._kind_of, self._make = preprocessors, kind_of, make
+        self.in_flight: deque[tuple[str, list]] = deque()
+        """(kind, batch), oldest first."""
+
+    def submit(self, batch: list[EncodedImage | PixelImage]) -> None:
+        kind = self._kind_of(batch)
+        if kind not in self.preprocessors:
+            self.preprocessors[kind] = self._make(kind)
+        self.preprocessors[kind].submit(batch)
+        self.in_flight.append((kind, batch))
+
+    def result(self) -> PreprocessedBatch:
+        kind, _ = self.in_flight.popleft()
+        try:
+            return self.preprocessors[kind].result()
+        except PreprocessFailure as failure:  # its pipeline is rebuilt and empty; drop the others' later batches
+            later = [batch for _, batch in self.in_flight]
+            for other, _ in self.in_flight:
+                if other != kind:
+                    try:
+                        self.preprocessors[other].result()
+                    except PreprocessFailure:  # rebuilt: nothing left in flight there
+                        pass
+            self.in_flight.clear()
+            raise PreprocessFailure(failure.failed, later, failure.cause) from failure.cause
+
+    def run(self, batch: list[EncodedImage | PixelImage]) -> PreprocessedBatch:
         assert not self.in_flight
         self.submit(batch)
         return self.result()

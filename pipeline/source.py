@@ -230,7 +230,8 @@ _FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO (named pipe)",
                stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
 
 
-def read_checked(ref: ImageRef, max_pixels: int = 0, max_bytes: int = 0) -> EncodedImage | ImageError:
+def read_checked(ref: ImageRef, max_pixels: int = 0, max_bytes: int = 0,
+                 scaled: ScaledDecode | None = None) -> EncodedImage | PixelImage | ImageError:
     """Read one file and reject what cannot be an image, cheaply, before it reaches the decoder.
 
     max_pixels: refuse images whose header declares more pixels (0: no limit): a small file can
@@ -262,7 +263,7 @@ def read_checked(ref: ImageRef, max_pixels: int = 0, max_bytes: int = 0) -> Enco
     except ValueError:  # no file name holds a NUL byte (a binary file given as the list, say)
         return ImageError(ref.index, ref.path, "unreadable",
                           "the path holds a NUL byte, which no file name can; check the list")
-    return checked_bytes(EncodedImage(ref, np.frombuffer(data, dtype=np.uint8)), max_pixels)
+    return checked_bytes(EncodedImage(ref, np.frombuffer(data, dtype=np.uint8)), max_pixels, scaled)
 
 
 def over_cap(ref: ImageRef, size: int, max_bytes: int) -> ImageError:
@@ -270,9 +271,44 @@ def over_cap(ref: ImageRef, size: int, max_bytes: int) -> ImageError:
                                                         "preprocess.max_file_mb if the image is genuine)")
 
 
-def checked_bytes(item: EncodedImage, max_pixels: int = 0) -> EncodedImage | ImageError:
+@dataclass(frozen=True)
+class ScaledDecode:
+    """Decode a large JPEG at a reduced scale, on the reading thread, where the model sees it
+    smaller: libjpeg-turbo decodes at 1/2, 1/4 or 1/8 in the DCT itself (Pillow's draft), which
+    skips most of the inverse transform and the colour work of the pixels the letterbox would
+    throw away. An image at least twice as large as the letterbox makes it is decoded at the
+    strongest of those reductions that leaves it at least that large; DALI then letterboxes the
+    pixels as it does a decoded file, and the records keep the original image's size and pixels
+    (PixelImage.original_hw)."""
+
+    height: int
+    width: int
+    """The model input the letterbox (or stretch) fills."""
+    resize: str = "letterbox"
+
+    def factor(self, width: int, height: int) -> int:
+        """The reduction (1, 2, 4 or 8) for an image of width x height, as it is displayed (after
+        its EXIF orientation)."""
+        if self.resize == "letterbox":
+            scale = min(self.height / height, self.width / width)
+            need_w, need_h = width * scale, height * scale
+        else:
+            need_w, need_h = self.width, self.height
+        for k in (8, 4, 2):
+            if -(-width // k) >= need_w and -(-height // k) >= need_h:
+                return k
+        return 1
+
+    def reduces(self, width: int, height: int) -> bool:
+        """Whether an image of width x height as stored reduces in some orientation (EXIF's is known
+        once the file is opened)."""
+        return self.factor(width, height) > 1 or self.factor(height, width) > 1
+
+
+def checked_bytes(item: EncodedImage, max_pixels: int = 0,
+                  scaled: ScaledDecode | None = None) -> EncodedImage | PixelImage | ImageError:
     """An encoded image (a file's bytes, or bytes given in memory) with the size its header
-    declares, or why it cannot be one."""
+    declares, or why it cannot be one; `scaled`: a large JPEG decoded here at a reduced scale."""
     ref, data = item.ref, item.data
     if not len(data):
         return ImageError(ref.index, ref.path, "empty", "file is empty (0 bytes); copy or fetch it again, or "
@@ -308,9 +344,29 @@ def checked_bytes(item: EncodedImage, max_pixels: int = 0) -> EncodedImage | Ima
         if frame.marker not in DALI_JPEG or frame.precision != 8:
             return decoded_here(item, f"jpeg ({JPEG_KINDS.get(frame.marker, 'hierarchical')}, "
                                       f"{frame.precision}-bit)")
+        # CMYK and YCCK (4 components) stay DALI's: libjpeg-turbo does not turn them into RGB.
+        if scaled is not None and frame.components in (1, 3) and scaled.reduces(frame.width, frame.height):
+            return decoded_scaled(item, scaled)
     if kind == "jpeg2000":
         return decoded_here(item, "jpeg2000")
     return item
+
+
+def decoded_scaled(item: EncodedImage, scaled: ScaledDecode) -> PixelImage | ImageError:
+    """A large JPEG decoded here at the reduction ScaledDecode chooses for its displayed size, its
+    EXIF orientation applied; the PixelImage carries the original (displayed) size."""
+    from PIL import Image, ImageOps
+
+    try:
+        with Image.open(io.BytesIO(item.data)) as image:
+            turned = image.getexif().get(0x0112, 1) in (5, 6, 7, 8)
+            width, height = (image.height, image.width) if turned else image.size
+            k = scaled.factor(width, height)
+            image.draft("RGB", (-(-image.width // k), -(-image.height // k)))
+            pixels = pil_pixels(ImageOps.exif_transpose(image))
+    except Exception as e:  # the file's own fault, whatever Pillow's decoder raises
+        return undecodable(item.ref, str(e) or type(e).__name__, by="jpeg")
+    return PixelImage(item.ref, pixels, original_hw=(height, width))
 
 
 def decoded_here(item: EncodedImage, what: str) -> PixelImage | ImageError:
@@ -372,6 +428,9 @@ class PixelImage:
     data: object = field(repr=False)
     """numpy.ndarray or torch.Tensor, uint8 [H, W, 3], contiguous."""
     on_device: bool = False
+    original_hw: tuple[int, int] | None = None
+    """The image's (height, width) where `data` is a reduced decode of it (ScaledDecode): what its
+    records say and what boxes map back to."""
 
     @property
     def pixels(self) -> int:
@@ -444,26 +503,28 @@ def _pixels(ref: ImageRef, value, rgb: bool, *, on_device: bool) -> PixelImage |
     return PixelImage(ref, np.array(value, order="C"), on_device=False)
 
 
-def checked(item: Item | ImageError, max_pixels: int = 0, max_bytes: int = 0) -> EncodedImage | PixelImage | ImageError:
-    """A file read and checked, encoded bytes checked, decoded pixels checked for size (an
-    ImageError, a value that was no image, passes through)."""
+def checked(item: Item | ImageError, max_pixels: int = 0, max_bytes: int = 0,
+            scaled: ScaledDecode | None = None) -> EncodedImage | PixelImage | ImageError:
+    """A file read and checked, encoded bytes checked (a large JPEG decoded at a reduced scale
+    where `scaled` says), decoded pixels checked for size (an ImageError, a value that was no
+    image, passes through)."""
     if isinstance(item, ImageError):
         return item
     if isinstance(item, ImageRef):
-        return read_checked(item, max_pixels, max_bytes)
+        return read_checked(item, max_pixels, max_bytes, scaled)
     if isinstance(item, EncodedImage):
         if max_bytes and len(item.data) > max_bytes:
             return over_cap(item.ref, len(item.data), max_bytes)
-        return checked_bytes(item, max_pixels)
+        return checked_bytes(item, max_pixels, scaled)
     if max_pixels and item.pixels > max_pixels:
         return ImageError(item.ref.index, item.ref.path, "too_large", f"{item.pixels:,} pixels, over the limit of "
                                                                       f"{max_pixels:,}")
     return item
 
 
-def read_all(items: Sequence[Item], max_pixels: int = 0,
-             max_bytes: int = 0) -> list[EncodedImage | PixelImage | ImageError]:
-    return [checked(item, max_pixels, max_bytes) for item in items]
+def read_all(items: Sequence[Item], max_pixels: int = 0, max_bytes: int = 0,
+             scaled: ScaledDecode | None = None) -> list[EncodedImage | PixelImage | ImageError]:
+    return [checked(item, max_pixels, max_bytes, scaled) for item in items]
 
 
 FLUSH = None
@@ -472,16 +533,25 @@ when none is waiting; each stage hands on what it holds, then the mark."""
 
 
 def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_threads: int, max_pixels: int = 0,
-                max_bytes: int = 0, lookahead: int = 2) -> Iterator[list[EncodedImage | PixelImage | ImageError] | None]:
+                max_bytes: int = 0, scaled: ScaledDecode | None = None, scaled_share: float = 1.0,
+                lookahead: int = 2) -> Iterator[list[EncodedImage | PixelImage | ImageError] | None]:
     """Each batch (at most batch_size items, or FLUSH) read and checked, in order, `lookahead`
     batches read ahead on num_threads threads; `chunks` is taken as it is needed, so it may be a
     generator. One task per thread's share of a batch's consecutive files, not one per file
-    (fewer hand-offs: on a 2-core machine one thread read twice as fast this way)."""
+    (fewer hand-offs: on a 2-core machine one thread read twice as fast this way).
+
+    scaled: the large JPEGs of `scaled_share` of the batches (spread evenly: batch k when
+    floor((k + 1) * share) > floor(k * share)) are decoded on these threads at a reduced scale;
+    the other batches' go to DALI whole (on a GPU, its hardware decoder), so both work at once."""
     step = -(-batch_size // max(1, num_threads))
     pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="gpudet-read")
+    count = 0
     try:
         def submit(chunk: list[Item]) -> list[Future]:
-            return [pool.submit(read_all, chunk[i:i + step], max_pixels, max_bytes)
+            nonlocal count
+            here = scaled if int((count + 1) * scaled_share) > int(count * scaled_share) else None
+            count += 1
+            return [pool.submit(read_all, chunk[i:i + step], max_pixels, max_bytes, here)
                     for i in range(0, len(chunk), step)]
 
         def result(futures: list[Future]) -> list[EncodedImage | PixelImage | ImageError]:

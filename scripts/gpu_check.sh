@@ -6,8 +6,11 @@
 #   OUT=DIR bash scripts/gpu_check.sh retinaface  # gpudet bench per config, then the default detect over 106,288 images
 #   OUT=DIR bash scripts/gpu_check.sh retinanet   # scripts/bench_retinanet.py at the realistic load
 #   OUT=DIR bash scripts/gpu_check.sh ray         # --ray --workers 1 against one process, JSONL and Parquet
+#   OUT=DIR bash scripts/gpu_check.sh sets        # the image sets below, made once per machine under $IMAGES
+#   OUT=DIR bash scripts/gpu_check.sh photos      # 12 MP photos: bench and detect, scaled decode off and on, same faces
+#   OUT=DIR bash scripts/gpu_check.sh coco        # COCO-sized JPEGs and the mixed set: bench, and detect over 20,000
 #
-# BEFORE=DIR (a checkout's root) also benches that tree's configs beside this one, for before/after.
+# BEFORE=DIR (a checkout's root) also runs that tree beside this one, for before/after (retinaface, coco).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpudet-check}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -19,8 +22,32 @@ quiet() { grep -v -i "deprecat\|_handle_op\|libpng\|jpeg_parser\|libjpeg\|Corrup
 image_set() {  # the JPEGs of scripts/make_image_set.py (crops of the bundled photos, 480-1024 px), absolute paths
   [ -f "$IMAGES/jpg.txt" ] && return
   $PY "$ROOT/scripts/make_image_set.py" "$IMAGES" --count "${COUNT:-4000}" > /dev/null
-  grep -v png "$IMAGES/list.txt" | sed "s#^#$IMAGES/#" > "$IMAGES/jpg.txt"
+  grep -v '\.png$' "$IMAGES/list.txt" > "$IMAGES/jpg.txt"
   for _ in $(seq 28); do cat "$IMAGES/jpg.txt"; done > "$IMAGES/jpg_x28.txt"
+}
+
+kind_set() {  # KIND COUNT: users' workloads, every file distinct (scripts/make_image_set.py --kind)
+  [ -f "$IMAGES/$1/list.txt" ] && return
+  $PY "$ROOT/scripts/make_image_set.py" "$IMAGES/$1" --kind "$1" --count "$2" | tee -a "$OUT/sets.txt"
+  du -sh "$IMAGES/$1" | tee -a "$OUT/sets.txt"
+}
+
+timed_detect() {  # NAME TREE LIST [OPTIONS...]: gpudet detect from the shell, its wall clock and summary kept
+  local name=$1 home=$ROOT; [ "$2" = before ] && home=$BEFORE
+  local list=$3; shift 3
+  local start=$(date +%s%N)
+  (cd "$home" && PYTHONPATH="$home:${PYTHONPATH:-}" $PY -m pipeline detect "$list" --out "/tmp/gpudet-$name" --overwrite \
+    "$@") 2>&1 | quiet | tee "$OUT/detect_$name.txt"
+  local ms=$(( ($(date +%s%N) - start) / 1000000 ))
+  printf 'wall clock from the shell: %d.%03d s\n' $((ms / 1000)) $((ms % 1000)) | tee -a "$OUT/detect_$name.txt"
+  cp "/tmp/gpudet-$name/summary.json" "$OUT/detect_${name}_summary.json"
+}
+
+bench() {  # NAME TREE LIST LIMIT [OPTIONS...]: gpudet bench, its report kept
+  local name=$1 home=$ROOT; [ "$2" = before ] && home=$BEFORE
+  local list=$3 limit=$4; shift 4
+  (cd "$home" && PYTHONPATH="$home:${PYTHONPATH:-}" $PY -m pipeline bench "$list" --device cuda --limit "$limit" \
+    --passes "${PASSES:-3}" "$@" --json "$OUT/bench_$name.json") 2>&1 | quiet | tee -a "$OUT/bench.txt"
 }
 
 versions() {
@@ -49,11 +76,9 @@ case "${1:-}" in
         --json "$OUT/bench_$tag.json") 2>&1 | quiet | tee -a "$OUT/bench.txt"
     done
     # The default command over 106,288 images, timed from the shell: what a user meets.
-    start=$(date +%s%N)
-    $PY -m pipeline detect "$IMAGES/jpg_x28.txt" --out /tmp/gpudet-x28 --overwrite 2>&1 | quiet | tee "$OUT/detect_x28.txt"
-    elapsed_ms=$(( ($(date +%s%N) - start) / 1000000 ))
-    printf 'wall clock from the shell: %d.%03d s\n' $((elapsed_ms / 1000)) $((elapsed_ms % 1000)) | tee -a "$OUT/detect_x28.txt"
-    cp /tmp/gpudet-x28/summary.json "$OUT/detect_x28_summary.json"
+    for tree in ${DETECT_TREES:-now}; do
+      timed_detect "x28_$tree" "$tree" "$IMAGES/jpg_x28.txt"
+    done
     ;;
   retinanet)
     versions | tee "$OUT/versions.txt"
@@ -76,8 +101,37 @@ case "${1:-}" in
       cp "/tmp/gpudet-$1/summary.json" "$OUT/ray_$1_summary.json"
     done
     ;;
+  sets)
+    image_set
+    kind_set photos "${PHOTOS:-3200}"
+    kind_set coco "${COCO:-20000}"
+    kind_set mixed 4000
+    ;;
+  photos)
+    versions | tee "$OUT/versions.txt"
+    kind_set photos "${PHOTOS:-3200}"
+    head -800 "$IMAGES/photos/list.txt" > "$IMAGES/photos/first800.txt"
+    for share in ${SHARES:-1.0}; do
+      bench "photos_scaled_$share" now "$IMAGES/photos/first800.txt" 800 --skip-naive --set preprocess.scaled_share=$share
+    done
+    bench photos_whole now "$IMAGES/photos/first800.txt" 800 --skip-naive --set preprocess.scaled_decode=false
+    timed_detect photos_whole now "$IMAGES/photos/list.txt" --set preprocess.scaled_decode=false
+    timed_detect photos_scaled now "$IMAGES/photos/list.txt" ${DETECT_SET:+--set $DETECT_SET}
+    $PY "$ROOT/scripts/match_detections.py" /tmp/gpudet-photos_whole /tmp/gpudet-photos_scaled \
+      --json "$OUT/photos_same_faces.json" | tee -a "$OUT/bench.txt"
+    ;;
+  coco)
+    versions | tee "$OUT/versions.txt"
+    kind_set coco "${COCO:-20000}"
+    kind_set mixed 4000
+    for tree in ${TREES:-now}; do
+      bench "coco_$tree" "$tree" "$IMAGES/coco/list.txt" 4000 --naive-limit 200
+      bench "mixed_$tree" "$tree" "$IMAGES/mixed/list.txt" 4000 --skip-naive
+      timed_detect "coco_$tree" "$tree" "$IMAGES/coco/list.txt"
+    done
+    ;;
   *)
-    echo "usage: OUT=DIR bash scripts/gpu_check.sh tests|retinaface|retinanet|ray" >&2
+    echo "usage: OUT=DIR bash scripts/gpu_check.sh tests|retinaface|retinanet|ray|sets|photos|coco" >&2
     exit 2
     ;;
 esac
