@@ -117,11 +117,11 @@ class RunConfig:
     device: str = "auto"
     """auto | cpu | cuda | cuda:N. cuda without a usable GPU is an error, never a silent fallback."""
     num_threads: int = 4
-    """DALI's CPU threads (CPU decoding and CPU-side operators). PNG and other non-JPEG formats
-    decode on the CPU: raise it for PNG-heavy sets."""
-    read_threads: int = 0
-    """Threads that read and check the files and decode large JPEGs at a reduced scale
-    (preprocess.scaled_decode); 0: one per core."""
+    """DALI's CPU threads (CPU decoding and CPU-side operators) and the file-reading threads. PNG
+    and other non-JPEG formats decode on the CPU: raise it for PNG-heavy sets."""
+    decode_threads: int = 0
+    """Threads that decode large JPEGs at a reduced scale (preprocess.scaled_decode), beside the
+    num_threads that read and check the files; 0: one per core."""
     prefetch_batches: int = 2
     """Batches DALI preprocesses ahead of the one the engine takes (each one more holds a batch
     of encoded and decoded images and its model input in memory)."""
@@ -216,7 +216,7 @@ class Config:
              "must be a pixel value in [0, 255], or null for the mean colour")
         need(0.0 <= p.hw_decoder_load <= 1.0, "preprocess.hw_decoder_load", "must be in [0, 1]")
         need(0.0 <= p.scaled_share <= 1.0, "preprocess.scaled_share", "must be in [0, 1]")
-        need(0 <= self.run.read_threads <= 256, "run.read_threads", "must be in 0..256 (0: one per core)")
+        need(0 <= self.run.decode_threads <= 256, "run.decode_threads", "must be in 0..256 (0: one per core)")
         q = self.postprocess
         check_thresholds(q.score_threshold, q.iou_threshold, q.max_detections, where="postprocess.")
         need(0 < q.pre_nms_top_k <= 100_000, "postprocess.pre_nms_top_k", "must be in 1..100000")

@@ -49,18 +49,20 @@ class Detector:
     """
 
     def __init__(self, *, engine: Engine, preprocessor: Preprocessor, postprocess: Contract,
-                 thresholds: Thresholds, labels: list[str], contract: str, read_threads: int = 4,
+                 thresholds: Thresholds, labels: list[str], contract: str, num_threads: int = 4,
                  max_pixels: int = 0, max_file_bytes: int = 0, max_batch_pixels: int = 0, prefetch_batches: int = 2,
-                 scaled: ScaledDecode | None = None, scaled_share: float = 1.0, config: Config | None = None):
+                 scaled: ScaledDecode | None = None, scaled_share: float = 1.0, decode_threads: int = 1,
+                 config: Config | None = None):
         """The stages, built (`from_config` builds them from a config). thresholds: what the
         postprocess keeps unless a stream says otherwise. max_pixels, max_file_bytes: the
         source's checks (0: none); max_batch_pixels: what one DALI batch may decode (0: no bound).
-        read_threads: the threads that read and check files (and decode large JPEGs at a reduced
-        scale: `scaled`, for `scaled_share` of the batches). config: what built them, for reports."""
+        num_threads: the threads that read and check files; decode_threads: those that decode large
+        JPEGs at a reduced scale (`scaled`, for `scaled_share` of the batches). config: what built
+        them, for reports."""
         self.engine, self.preprocessor, self.postprocess = engine, preprocessor, postprocess
         self.thresholds, self.labels, self.contract = thresholds, labels, contract
-        self.read_threads, self.prefetch_batches = read_threads, prefetch_batches
-        self.scaled, self.scaled_share = scaled, scaled_share
+        self.num_threads, self.prefetch_batches = num_threads, prefetch_batches
+        self.scaled, self.scaled_share, self.decode_threads = scaled, scaled_share, decode_threads
         self.max_pixels, self.max_file_bytes, self.max_batch_pixels = max_pixels, max_file_bytes, max_batch_pixels
         self.config = config
         self.device = engine.device
@@ -118,7 +120,8 @@ class Detector:
             pad_partial_batches=target.is_cuda or image.batch is not None)
         return cls(engine=engine, preprocessor=preprocessor, postprocess=postprocess, contract=contract.name,
                    thresholds=Thresholds(q.score_threshold, q.iou_threshold, q.max_detections), labels=m.labels,
-                   read_threads=r.read_threads or os.cpu_count() or 4, max_pixels=p.max_pixels,
+                   num_threads=r.num_threads, decode_threads=r.decode_threads or os.cpu_count() or 4,
+                   max_pixels=p.max_pixels,
                    max_file_bytes=p.max_file_mb << 20, max_batch_pixels=p.max_batch_pixels,
                    prefetch_batches=r.prefetch_batches,
                    scaled=ScaledDecode(height, width, p.resize) if p.scaled_decode else None,
@@ -182,9 +185,9 @@ class Detector:
         depth, count = self.engine.slots, 0
         pending: deque[tuple[PreprocessedBatch, Future]] = deque()  # past DALI, oldest first
         reading: dict[int, Future] = {}  # slot -> the postprocess reading its buffers
-        files = clock.timed(read_chunks(batches, batch_size=self.batch_size, num_threads=self.read_threads,
+        files = clock.timed(read_chunks(batches, batch_size=self.batch_size, num_threads=self.num_threads,
                                         max_pixels=self.max_pixels, max_bytes=self.max_file_bytes, scaled=self.scaled,
-                                        scaled_share=self.scaled_share), "read")
+                                        scaled_share=self.scaled_share, decode_threads=self.decode_threads), "read")
         batches = clock.timed(self._preprocessed(readable(files, on_error, self.max_batch_pixels, self.device.torch),
                                                  on_error),
                               "preprocess")

@@ -160,3 +160,25 @@ def least_bits(frame: JpegFrame) -> int:
     if frame.marker == 0xC3:
         return frame.width * frame.height
     return 0
+
+
+def exif_orientation(data: bytes) -> int:
+    """A JPEG's EXIF orientation (1-8; 1 where it has none), from its APP1 segment: how the stored
+    pixels are turned to be displayed."""
+    i = 2
+    while i + 4 <= len(data) and data[i] == 0xFF:
+        marker, length = data[i + 1], int.from_bytes(data[i + 2:i + 4], "big")
+        if marker in (0xDA, 0xD9) or 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            return 1  # the frame or the scan: no APP1 before it
+        if marker == 0xE1 and data[i + 4:i + 10] == b"Exif\x00\x00":
+            tiff = data[i + 10:i + 2 + length]
+            order = "little" if tiff[:2] == b"II" else "big"
+            ifd = int.from_bytes(tiff[4:8], order)
+            for k in range(int.from_bytes(tiff[ifd:ifd + 2], order)):
+                entry = tiff[ifd + 2 + 12 * k:ifd + 14 + 12 * k]
+                if len(entry) == 12 and int.from_bytes(entry[:2], order) == 0x0112:
+                    value = int.from_bytes(entry[8:10], order)
+                    return value if 1 <= value <= 8 else 1
+            return 1
+        i += 2 + length
+    return 1

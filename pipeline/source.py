@@ -26,7 +26,8 @@ import numpy as np
 
 from . import layout
 from .errors import SourceError
-from .imagefile import DALI_JPEG, JPEG_KINDS, PNG_END, PNG_END_WITHIN, image_size, jpeg_frame, least_bits, sniff_format
+from .imagefile import DALI_JPEG, JPEG_KINDS, PNG_END, PNG_END_WITHIN, exif_orientation, image_size, jpeg_frame, \
+    least_bits, sniff_format
 from .results import ImageError, ImageRef
 
 log = logging.getLogger("gpudet")
@@ -40,6 +41,9 @@ class EncodedImage:
     """uint8 [num_bytes], the file's bytes."""
     pixels: int = 0
     """width x height its header declares (0: not known)."""
+    scaled: ScaledDecode | None = None
+    """A large JPEG to decode at a reduced scale before DALI (read_all hands it to the decoding
+    threads)."""
 
 
 def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = None) -> list[ImageRef]:
@@ -346,27 +350,45 @@ def checked_bytes(item: EncodedImage, max_pixels: int = 0,
                                       f"{frame.precision}-bit)")
         # CMYK and YCCK (4 components) stay DALI's: libjpeg-turbo does not turn them into RGB.
         if scaled is not None and frame.components in (1, 3) and scaled.reduces(frame.width, frame.height):
-            return decoded_scaled(item, scaled)
+            return EncodedImage(ref, data, item.pixels, scaled=scaled)
     if kind == "jpeg2000":
         return decoded_here(item, "jpeg2000")
     return item
 
 
 def decoded_scaled(item: EncodedImage, scaled: ScaledDecode) -> PixelImage | ImageError:
-    """A large JPEG decoded here at the reduction ScaledDecode chooses for its displayed size, its
-    EXIF orientation applied; the PixelImage carries the original (displayed) size."""
-    from PIL import Image, ImageOps
+    """A large JPEG decoded at the reduction ScaledDecode chooses for its displayed size, its EXIF
+    orientation applied; the PixelImage carries the original (displayed) size. simplejpeg
+    (libjpeg-turbo) decodes with the GIL released for the whole call, so that many threads decode
+    at once beside the loop (Pillow holds the GIL for its conversions: ~440 images/s from 16
+    threads on the H200's host, docs/BENCHMARKS.md)."""
+    import simplejpeg
 
+    data = item.data.tobytes() if hasattr(item.data, "tobytes") else item.data
+    frame = jpeg_frame(data[:65536]) or jpeg_frame(data)
+    orientation = exif_orientation(data[:65536])
+    turned = orientation in (5, 6, 7, 8)
+    width, height = (frame.height, frame.width) if turned else (frame.width, frame.height)
+    k = scaled.factor(width, height)
     try:
-        with Image.open(io.BytesIO(item.data)) as image:
-            turned = image.getexif().get(0x0112, 1) in (5, 6, 7, 8)
-            width, height = (image.height, image.width) if turned else image.size
-            k = scaled.factor(width, height)
-            image.draft("RGB", (-(-image.width // k), -(-image.height // k)))
-            pixels = pil_pixels(ImageOps.exif_transpose(image))
-    except Exception as e:  # the file's own fault, whatever Pillow's decoder raises
+        pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=-(-frame.width // k),
+                                        min_height=-(-frame.height // k))
+    except Exception as e:  # the file's own fault (simplejpeg raises ValueError)
         return undecodable(item.ref, str(e) or type(e).__name__, by="jpeg")
-    return PixelImage(item.ref, pixels, original_hw=(height, width))
+    return PixelImage(item.ref, oriented(pixels, orientation), original_hw=(height, width))
+
+
+def oriented(pixels: np.ndarray, orientation: int) -> np.ndarray:
+    """Stored pixels [H, W, 3] as displayed under an EXIF orientation (1-8), contiguous."""
+    if orientation in (5, 6, 7, 8):
+        pixels = pixels.transpose(1, 0, 2)  # 5: the transpose; 6, 7, 8 flip it below
+    flips = {2: (False, True), 3: (True, True), 4: (True, False), 5: (False, False), 6: (False, True),
+             7: (True, True), 8: (True, False)}.get(orientation, (False, False))
+    if flips[0]:
+        pixels = pixels[::-1]
+    if flips[1]:
+        pixels = pixels[:, ::-1]
+    return np.ascontiguousarray(pixels)
 
 
 def decoded_here(item: EncodedImage, what: str) -> PixelImage | ImageError:
@@ -522,9 +544,17 @@ def checked(item: Item | ImageError, max_pixels: int = 0, max_bytes: int = 0,
     return item
 
 
-def read_all(items: Sequence[Item], max_pixels: int = 0, max_bytes: int = 0,
-             scaled: ScaledDecode | None = None) -> list[EncodedImage | PixelImage | ImageError]:
-    return [checked(item, max_pixels, max_bytes, scaled) for item in items]
+def read_all(items: Sequence[Item], max_pixels: int = 0, max_bytes: int = 0, scaled: ScaledDecode | None = None,
+             decoders: ThreadPoolExecutor | None = None) -> list[EncodedImage | PixelImage | ImageError | Future]:
+    """`checked` of each item; a large JPEG to decode at a reduced scale is handed to `decoders`
+    (its Future in its place), or decoded here without them."""
+    done = []
+    for item in items:
+        item = checked(item, max_pixels, max_bytes, scaled)
+        if isinstance(item, EncodedImage) and item.scaled is not None:
+            item = decoders.submit(decoded_scaled, item, item.scaled) if decoders else decoded_scaled(item, item.scaled)
+        done.append(item)
+    return done
 
 
 FLUSH = None
@@ -534,28 +564,31 @@ when none is waiting; each stage hands on what it holds, then the mark."""
 
 def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_threads: int, max_pixels: int = 0,
                 max_bytes: int = 0, scaled: ScaledDecode | None = None, scaled_share: float = 1.0,
-                lookahead: int = 2) -> Iterator[list[EncodedImage | PixelImage | ImageError] | None]:
+                decode_threads: int = 1, lookahead: int = 2
+                ) -> Iterator[list[EncodedImage | PixelImage | ImageError] | None]:
     """Each batch (at most batch_size items, or FLUSH) read and checked, in order, `lookahead`
     batches read ahead on num_threads threads; `chunks` is taken as it is needed, so it may be a
     generator. One task per thread's share of a batch's consecutive files, not one per file
     (fewer hand-offs: on a 2-core machine one thread read twice as fast this way).
 
     scaled: the large JPEGs of `scaled_share` of the batches (spread evenly: batch k when
-    floor((k + 1) * share) > floor(k * share)) are decoded on these threads at a reduced scale;
-    the other batches' go to DALI whole (on a GPU, its hardware decoder), so both work at once."""
+    floor((k + 1) * share) > floor(k * share)) are decoded at a reduced scale on decode_threads
+    threads of their own, one image a task, as soon as they are read; the other batches' go to
+    DALI whole (on a GPU, its hardware decoder), so both work at once."""
     step = -(-batch_size // max(1, num_threads))
     pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="gpudet-read")
+    decoders = ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="gpudet-decode") if scaled else None
     count = 0
     try:
         def submit(chunk: list[Item]) -> list[Future]:
             nonlocal count
             here = scaled if int((count + 1) * scaled_share) > int(count * scaled_share) else None
             count += 1
-            return [pool.submit(read_all, chunk[i:i + step], max_pixels, max_bytes, here)
+            return [pool.submit(read_all, chunk[i:i + step], max_pixels, max_bytes, here, decoders)
                     for i in range(0, len(chunk), step)]
 
         def result(futures: list[Future]) -> list[EncodedImage | PixelImage | ImageError]:
-            return [item for f in futures for item in f.result()]
+            return [item.result() if isinstance(item, Future) else item for f in futures for item in f.result()]
 
         pending: deque[list[Future]] = deque()  # read ahead, oldest first
         for chunk in chunks:
@@ -573,6 +606,8 @@ def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_thr
         # A consumer that stops early (Ctrl-C, an error, a stream closed) does not wait for the
         # batches read ahead: those not started are dropped, one being read ends on its own.
         pool.shutdown(wait=False, cancel_futures=True)
+        if decoders is not None:
+            decoders.shutdown(wait=False, cancel_futures=True)
 
 
 def batched(items: Iterable, size: int) -> Iterator[list]:
