@@ -85,10 +85,11 @@ class PreprocessConfig:
     DCT), then letterboxed by DALI: most of its pixels are never made. The result differs from a
     full decode by the resampling alone (docs/BENCHMARKS.md measures the same faces); false decodes
     every pixel, in DALI. CMYK JPEGs are decoded whole."""
-    scaled_share: float = 1.0
+    scaled_share: float = 0.0
     """scaled_decode on a GPU: the share of the batches whose large JPEGs the host decodes at a
-    reduced scale; the others go to DALI whole (the hardware decoder), so that both work at once.
-    On the CPU every large JPEG is decoded at a reduced scale."""
+    reduced scale; the others go to DALI whole (the hardware decoder). 0 by default: on the H200
+    the hardware decoder's whole decode outran the host's reduced one (16 cores) on 12 MP photos
+    (docs/BENCHMARKS.md). On the CPU every large JPEG is decoded at a reduced scale."""
     hw_decoder_load: float = 0.9
     """decoder auto on a GPU with a hardware JPEG decoder (A100, H100, H200): the share of each
     batch's JPEGs it decodes (DALI's hw_decoder_load; its default is 0.65, slower on the H200:

@@ -323,9 +323,14 @@ def checked_bytes(item: EncodedImage, max_pixels: int = 0,
         return ImageError(ref.index, ref.path, "unknown_format",
                           "not a JPEG, PNG, BMP, TIFF, WebP, JPEG 2000 or PNM file (by its first bytes, not its name); "
                           "convert it to one, or remove it from the source")
-    size = image_size(data.tobytes() if kind in ("jpeg2000", "tiff") else data[:65536].tobytes(), kind)
-    if kind == "jpeg" and size is None and len(data) > 65536:  # a frame header after large metadata
-        size = image_size(data.tobytes(), kind)
+    frame = None
+    if kind == "jpeg":  # its frame header once: the size, and what decodes it
+        frame = jpeg_frame(data[:65536].tobytes())
+        if frame is None and len(data) > 65536:  # a frame header after large metadata
+            frame = jpeg_frame(data.tobytes())
+        size = None if frame is None else (frame.width, frame.height)
+    else:
+        size = image_size(data.tobytes() if kind in ("jpeg2000", "tiff") else data[:65536].tobytes(), kind)
     if size is None or min(size) <= 0:
         return ImageError(ref.index, ref.path, "bad_header",
                           f"{kind} header does not give a valid image size (truncated or corrupt file); copy or "
@@ -340,7 +345,6 @@ def checked_bytes(item: EncodedImage, max_pixels: int = 0,
                           "download or copy; fetch or copy it again")
     item = EncodedImage(ref, data, size[0] * size[1])
     if kind == "jpeg":
-        frame = jpeg_frame(data[:65536].tobytes()) or jpeg_frame(data.tobytes())
         if len(data) * 8 < least_bits(frame):
             return ImageError(ref.index, ref.path, "truncated",
                               f"jpeg declares {frame.width}x{frame.height} pixels, more than its {len(data):,} bytes can "
