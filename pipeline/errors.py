@@ -324,9 +324,12 @@ DECODER_NOISE = re.compile(
     r"Bogus (Huffman|marker|sampling|JPEG colorspace|DAC|DHT|DQT)|(Huffman|Quantization|Arithmetic) table|"
     r"Huffman code|Invalid SOS parameters|Inconsistent progression|Invalid progressive parameters|"
     r"Sampling factors too large|DCT coefficient out of range|Too many color components|"
-    r"Maximum supported image dimension|Unknown Adobe color transform|more than one scan|Image too wide")
+    r"Maximum supported image dimension|Unknown Adobe color transform|more than one scan|Image too wide|"
+    # nvImageCodec's decoder extensions (nvbmp, nvtiff, ...), which DALI's CPU backend uses too
+    r"Code stream size is not big enough|Could not (decode|parse) \w+ (code stream|data)|Could not get image info")
 """What image decoders print about a bad file: libjpeg's, libpng's and libtiff's lines (OpenCV's
-too), DALI's nvImageCodec parsers' and decoders' ([jpeg_parser], [png_parser], [..._decoder])."""
+too), DALI's nvImageCodec parsers' and decoders' ([jpeg_parser], [png_parser], [..._decoder]) and its
+decoder extensions' ("Code stream size is not big enough.", from nvbmp)."""
 
 
 def decoder_level(line: str) -> int:

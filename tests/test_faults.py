@@ -3,6 +3,7 @@ one writer per output folder; inputs that hang, lie or sit behind links. Real su
 signals, a real lock contention, a real FIFO."""
 
 import json
+import logging
 import os
 import random
 import resource
@@ -496,6 +497,26 @@ def test_a_librarys_colour_codes_and_parser_lines_stay_off_the_log(tmp_path):
     assert [(r["level"], r["message"]) for r in records] == [
         ("DEBUG", "library: [ERROR] [png_parser] Could not retrieve image info"), ("DEBUG", "library: ."),
         ("WARNING", "library: something else")], done.stderr
+
+
+@pytest.mark.parametrize("line", [
+    "Code stream size is not big enough.",  # nvImageCodec's nvbmp, on a BMP cut short
+    "Could not decode bmp code stream - 3",
+    "Could not parse tiff data - 2",
+    "[ERROR] [png_parser] Could not retrieve image info",
+    "Premature end of JPEG file",
+    "TIFFReadDirectory: Bogus \"StripByteCounts\" field, ignoring and calculating from imagelength",
+])
+def test_what_a_decoder_says_about_a_bad_file_is_debug(line):
+    from pipeline.errors import decoder_level
+
+    assert decoder_level(line) == logging.DEBUG
+
+
+def test_other_library_lines_stay_warnings():
+    from pipeline.errors import decoder_level
+
+    assert decoder_level("CUDA driver version is insufficient for CUDA runtime version") == logging.WARNING
 
 
 def test_what_the_decoders_print_about_corrupt_files_stays_off_the_terminal(tmp_path):
