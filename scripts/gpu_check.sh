@@ -9,6 +9,7 @@
 #   OUT=DIR bash scripts/gpu_check.sh sets        # the image sets below, made once per machine under $IMAGES
 #   OUT=DIR bash scripts/gpu_check.sh photos      # 12 MP photos: bench and detect, scaled decode off and on, same faces
 #   OUT=DIR bash scripts/gpu_check.sh coco        # COCO-sized JPEGs and the mixed set: bench, and detect over 20,000
+#   OUT=DIR BEFORE=DIR bash scripts/gpu_check.sh ab  # BEFORE and this tree in turn, ROUNDS times: bench and detect
 #
 # BEFORE=DIR (a checkout's root) also runs that tree beside this one, for before/after (retinaface, coco).
 set -uo pipefail
@@ -130,8 +131,21 @@ case "${1:-}" in
       timed_detect "coco_$tree" "$tree" "$IMAGES/coco/list.txt"
     done
     ;;
+  ab)
+    # Before and after in turn on one machine, so that a drift of the machine (which moved one tree's
+    # loop by 15% between two runs) falls on both: the default bench over the 3,796 crops ROUNDS
+    # times each, then the default detect over 106,288 DETECT_ROUNDS times each.
+    versions | tee "$OUT/versions.txt"
+    image_set
+    for round in $(seq "${ROUNDS:-3}"); do
+      for tree in before now; do bench "crops_${tree}_$round" "$tree" "$IMAGES/jpg.txt" 4000 --skip-naive; done
+    done
+    for round in $(seq "${DETECT_ROUNDS:-2}"); do
+      for tree in before now; do timed_detect "x28_${tree}_$round" "$tree" "$IMAGES/jpg_x28.txt"; done
+    done
+    ;;
   *)
-    echo "usage: OUT=DIR bash scripts/gpu_check.sh tests|retinaface|retinanet|ray|sets|photos|coco" >&2
+    echo "usage: OUT=DIR bash scripts/gpu_check.sh tests|retinaface|retinanet|ray|sets|photos|coco|ab" >&2
     exit 2
     ;;
 esac
