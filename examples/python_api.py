@@ -5,12 +5,11 @@ Run: python examples/python_api.py [SOURCE] [--device cpu|cuda]
 """
 
 import argparse
-import json
 
 import numpy as np
 from PIL import Image, ImageOps
 
-from pipeline import Detector, ImageError
+import gpudet
 
 
 def main() -> None:
@@ -19,12 +18,12 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
 
-    detector = Detector.from_config(device=args.device, batch_size=8)
+    detector = gpudet.Detector.from_config(device=args.device, batch_size=8)
 
     # 1. Per-image results on the host: numpy arrays in original pixels.
     faces, first = 0, None
     for result in detector.run(args.source):
-        if isinstance(result, ImageError):
+        if isinstance(result, gpudet.ImageError):  # a file that is no image, cut short, missing, ...
             print(f"skipped {result.path}: {result.reason}")
             continue
         faces += len(result.scores)
@@ -37,11 +36,14 @@ def main() -> None:
     if first is not None:
         photo = np.asarray(ImageOps.exif_transpose(Image.open(first)).convert("RGB"))
         (result,) = detector.run(photo, score_threshold=0.5)
-        print(json.dumps(result.to_dict())[:120], "...")
+        print(result.to_json()[:120], "...")
+        print(f"first box as YOLO's centre-size over the image: {result.xywhn[:1].round(3).tolist()}")
         print(f"drawn: {result.draw(photo).size}")
 
     # 3. Detections as torch tensors on the device, for work that continues there: no host copy.
     for result in detector.run(args.source, on_device=True):
+        if isinstance(result, gpudet.ImageError):
+            continue
         areas = (result.boxes_xyxy[:, 2:] - result.boxes_xyxy[:, :2]).prod(dim=1)  # where the boxes are
         if len(areas):
             print(f"{result.path}: areas {areas.round().tolist()} on {areas.device}")

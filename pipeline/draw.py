@@ -36,6 +36,10 @@ def draw_detections(record: dict, image=None, *, min_score: float = 0.0) -> Imag
     elif isinstance(image, np.ndarray):
         image = Image.fromarray(image)
     image = image.convert("RGB")
+    if "width" in record and image.size != (record["width"], record["height"]):
+        raise ValueError(f"the image is {image.width}x{image.height} and {record['path']}'s detections are in "
+                         f"{record['width']}x{record['height']} pixels: draw them on the image they were found on, "
+                         "upright as its EXIF orientation says")
     canvas = ImageDraw.Draw(image)
     line = max(2, round(max(image.size) / 400))
     font = ImageFont.load_default(size=max(12, round(max(image.size) / 50)))
@@ -106,6 +110,10 @@ def recorded_root(detections: str | Path) -> str | None:
 
 
 def safe_stem(path: Path) -> str:
-    """A file name part for the drawing of `path`: its stem with anything but letters, digits, `.`,
-    `_` and `-` replaced by `_`, at most 64 characters."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", path.stem)[:64] or "image"
+    """A file name part for the drawing of `path`: its stem with anything but letters and digits (of
+    any script: `café` stays `café`), `.`, `_` and `-` replaced by `_`, at most 64 characters and
+    200 bytes of UTF-8."""
+    stem = re.sub(r"[^\w.-]", "_", path.stem)[:64]
+    while len(stem.encode()) > 200:  # (a byte that is not UTF-8, surrogate-escaped, is no \w: it is `_`)
+        stem = stem[:-1]
+    return stem or "image"

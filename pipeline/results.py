@@ -120,12 +120,85 @@ class ImageResult:
         return detection_records([ImageRef(self.index, self.path)], np.array([[self.height, self.width]]), found,
                                  label_names)[0]
 
+    @property
+    def orig_shape(self) -> tuple[int, int]:
+        """(height, width) of the image as displayed: the pixels the boxes are in."""
+        return self.height, self.width
+
+    @property
+    def xywh(self):
+        """Boxes as centre x, centre y, width, height [K, 4], in pixels."""
+        return xyxy_to_xywh(self.boxes_xyxy)
+
+    @property
+    def xyxyn(self):
+        """Boxes as x1 y1 x2 y2 [K, 4] over the image's width and height (0..1)."""
+        return self.boxes_xyxy / self._size()
+
+    @property
+    def xywhn(self):
+        """Boxes as centre x, centre y, width, height [K, 4] over the image's width and height
+        (0..1): YOLO's label format."""
+        return self.xywh / self._size()
+
+    def _size(self):
+        size = [self.width, self.height, self.width, self.height]
+        if hasattr(self.boxes_xyxy, "new_tensor"):  # a torch tensor on the device
+            return self.boxes_xyxy.new_tensor(size)
+        return np.asarray(size, dtype=self.boxes_xyxy.dtype)
+
+    def to_json(self) -> str:
+        """The image's record as one JSON line, as detections.jsonl holds it."""
+        import orjson
+
+        return orjson.dumps(self.to_dict()).decode()
+
+    def to_pandas(self):
+        """One row per detection (pandas.DataFrame): index, path, x1, y1, x2, y2, score, label,
+        name; landmarks as a column of [[x, y], ...] where the model finds them."""
+        try:
+            import pandas
+        except ImportError:
+            raise ImportError("result.to_pandas() needs pandas: pip install pandas") from None
+        return detection_frame([self.to_dict()], pandas)
+
     def draw(self, image=None, *, min_score: float = 0.0):
         """A PIL image of the detections drawn onto `image` (a path, a PIL image or RGB pixels;
-        default: the file at `path`), in display orientation, as the boxes are."""
+        default: the file at `path`), in display orientation, as the boxes are. An image given to
+        Detector.run in memory has no file: pass it here."""
         from .draw import draw_detections
 
+        if image is None and self.path.startswith("<") and self.path.endswith(">"):
+            raise ValueError(f"{self.path} was given in memory and has no file to draw on: pass the image, "
+                             "result.draw(image)")
         return draw_detections(self.to_dict(), image, min_score=min_score)
+
+
+def xyxy_to_xywh(boxes):
+    """x1 y1 x2 y2 -> centre x, centre y, width, height (numpy or torch, [K, 4])."""
+    wh = boxes[:, 2:] - boxes[:, :2]
+    centre = boxes[:, :2] + wh / 2
+    if hasattr(boxes, "new_tensor"):
+        import torch
+
+        return torch.cat([centre, wh], dim=1)
+    return np.concatenate([centre, wh], axis=1)
+
+
+DETECTION_COLUMNS = ["index", "path", "x1", "y1", "x2", "y2", "score", "label", "name"]
+
+
+def detection_frame(records, pandas):
+    """Records (detections.jsonl's dicts) as a DataFrame of one row per detection."""
+    rows = []
+    for record in records:
+        for det in record["detections"]:
+            row = [record["index"], record["path"], *det["box"], det["score"], det["label"], det["name"]]
+            if "landmarks" in det:
+                row.append(det["landmarks"])
+            rows.append(row)
+    columns = DETECTION_COLUMNS + (["landmarks"] if rows and len(rows[0]) > len(DETECTION_COLUMNS) else [])
+    return pandas.DataFrame(rows, columns=columns)
 
 
 def label_name(names: list[str], labels: list[int]) -> list[str]:

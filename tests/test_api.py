@@ -63,11 +63,25 @@ def test_stream_on_device_keeps_detections_on_the_device(device):
 
 @cpu_and_cuda()
 def test_the_documented_example_runs(device, tmp_path):
-    """examples/python_api.py on a SOURCE given from another folder: every step reads that source."""
-    run = subprocess.run([sys.executable, str(ROOT / "examples" / "python_api.py"), str(SAMPLES), "--device", device],
+    """examples/python_api.py on a SOURCE given from another folder, which holds files that are no
+    images and one cut short: every step reads that source, and the bad files are skipped."""
+    source = samples_with_bad_files(tmp_path / "photos")
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "python_api.py"), str(source), "--device", device],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.count(": face ") == 3 and f"3 faces on {device}" in run.stdout
+    assert run.stdout.count("skipped") == 2, run.stdout
+
+
+def samples_with_bad_files(folder):
+    """A copy of samples/ plus a JPEG cut short and a '.jpg' of random bytes."""
+    import shutil
+
+    shutil.copytree(SAMPLES, folder)
+    data = (SAMPLES / "grace_hopper.jpg").read_bytes()
+    (folder / "cut.jpg").write_bytes(data[:len(data) // 3])
+    (folder / "noise.jpg").write_bytes(np.random.default_rng(0).bytes(100))
+    return folder
 
 
 def test_images_in_memory_are_taken_as_they_are_given(tmp_path):
@@ -192,16 +206,17 @@ def test_stream_takes_what_run_takes(tmp_path):
     assert folder == [r.path for r in list_images(SAMPLES)] and len(heard) == 1
 
 @cpu_and_cuda()
-def test_the_readme_python_example_runs_as_written(device):
+def test_the_readme_python_example_runs_as_written(device, tmp_path):
     """The README's Python API block, run as a script from the repository's root, on the device the
     default picks: the CPU where no GPU is visible, else the GPU."""
     readme = (ROOT / "README.md").read_text()
     block = readme.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})}
-    run = subprocess.run([sys.executable, "-c", block], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    samples_with_bad_files(tmp_path / "samples")  # the block's `samples`, with files that are no images in it
+    run = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env=env)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.count("astronaut.png") >= 1
+    assert run.stdout.count("astronaut.png") >= 1 and run.stdout.count("skipped") == 2
 
 
 @pytest.mark.cuda
@@ -304,3 +319,37 @@ def test_api_mistakes_are_named():
     detector = Detector.from_config(device="cpu", batch_size=2)
     with pytest.raises(ConfigError, match="score_threshold: True must be a number"):
         next(detector.run(str(SAMPLES), score_threshold=True))
+
+
+def test_import_gpudet_is_the_public_name():
+    """`import gpudet` gives the API `pipeline` exports, from any folder."""
+    run = subprocess.run([sys.executable, "-c", "import gpudet, pipeline; print(gpudet.Detector is pipeline.Detector, "
+                          "gpudet.ImageError is pipeline.ImageError, gpudet.__version__ == pipeline.__version__)"],
+                         cwd="/", capture_output=True, text=True, timeout=120)
+    assert run.stdout.split() == ["True", "True", "True"], run.stderr
+
+
+def test_result_boxes_in_the_forms_other_tools_take_and_as_a_table():
+    detector = Detector.from_config(device="cpu")
+    (result,) = detector.run(str(SAMPLES / "astronaut.png"))
+    assert result.orig_shape == (512, 512) and len(result.scores) == 1
+    (x1, y1, x2, y2), (cx, cy, w, h) = result.boxes_xyxy[0], result.xywh[0]
+    assert np.allclose([cx, cy, w, h], [(x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1])
+    assert np.allclose(result.xyxyn * 512, result.boxes_xyxy) and np.allclose(result.xywhn * 512, result.xywh)
+    assert result.to_json() == __import__("json").dumps(result.to_dict(), separators=(",", ":"))
+    table = result.to_pandas()
+    assert list(table.columns[:9]) == ["index", "path", "x1", "y1", "x2", "y2", "score", "label", "name"]
+    assert len(table) == 1 and table.name[0] == "face" and len(table.landmarks[0]) == 5
+    (on_device,) = detector.run(str(SAMPLES / "astronaut.png"), on_device=True)
+    assert np.allclose(on_device.xywhn.cpu().numpy(), result.xywhn, atol=1e-6)
+
+
+def test_draw_asks_for_an_image_given_in_memory_and_refuses_one_of_another_size():
+    detector = Detector.from_config(device="cpu")
+    photo = np.asarray(Image.open(SAMPLES / "astronaut.png").convert("RGB"))
+    (result,) = detector.run(photo)
+    with pytest.raises(ValueError, match=r"<array 0> was given in memory .* result\.draw\(image\)"):
+        result.draw()
+    assert result.draw(photo).size == (512, 512)
+    with pytest.raises(ValueError, match="the image is 256x128 and <array 0>'s detections are in 512x512 pixels"):
+        result.draw(photo[:128, :256])
