@@ -382,12 +382,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def expanded_glob_hint(args: argparse.Namespace, unknown: list[str]) -> str:
+    """What to do when the shell expanded an unquoted glob into several paths: a command takes one
+    source."""
+    paths = [a for a in unknown if not a.startswith("-")]
+    if not hasattr(args, "source") or not paths or not all(os.path.lexists(p) for p in paths[:3]):
+        return ""
+    return (f" ({len(paths) + 1} paths, where {args.command} takes one source: the shell expanded an unquoted "
+            f"glob; quote it, gpudet {args.command} 'photos/*.jpg', or give a folder or a file list)")
+
+
 def main(argv: list[str] | None = None) -> int:
     catch_signals()  # from the start: an interrupt during the imports ends as cleanly as one later
     ensure_standard_streams()  # before any file is opened: a closed stderr's number is never a record file's
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # the command's usage, not gpudet's list of commands
-        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.command_parser.error(f"unrecognized arguments: {shlex.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}"
+                                  + expanded_glob_hint(args, unknown))
     args.argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging(args.log_level, args.log_json, args.quiet)
     commands = {"detect": cmd_detect, "export-coco": cmd_export_coco, "eval": cmd_eval, "draw": cmd_draw,

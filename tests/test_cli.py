@@ -111,6 +111,12 @@ def test_usage_and_config_errors_exit_2(tmp_path, capsys):
         err = capsys.readouterr().err
         assert info.value.code == 2 and err.startswith("usage: gpudet detect ") and \
             f"gpudet detect: error: unrecognized arguments: {wrong[0]}" in err, err
+    pngs = sorted(str(p) for p in SAMPLES.glob("*.png"))  # what the shell makes of an unquoted samples/*.png
+    with pytest.raises(SystemExit) as info:
+        main(["detect", *pngs, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"({len(pngs)} paths, where detect takes one source: the shell expanded an " \
+        "unquoted glob; quote it, gpudet detect 'photos/*.jpg', or give a folder or a file list)" in err, err
     for option, value in (("--limit", "0"), ("--iterations", "0"), ("--passes", "0"), ("--naive-limit", "0"),
                           ("--latency", "-1"), ("--limit", "-3")):  # counts gpudet bench cannot run with
         with pytest.raises(SystemExit) as info:
