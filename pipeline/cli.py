@@ -311,16 +311,42 @@ def cmd_eval(args: argparse.Namespace) -> int:
         log.warning("%d of the %d annotated images have no record in %s: they count as images where nothing was "
                     "found (evaluate a finished run, or an annotation file of the images it detected)",
                     len(gt["images"]) - len(matched), len(gt["images"]), args.detections)
+    threshold = recorded_threshold(args.detections)
+    if threshold is not None and threshold > LOW_SCORE:
+        log.warning("the records were made at postprocess.score_threshold %g: mAP counts only detections above it, so "
+                    "it reads low; for a comparable mAP detect with --set postprocess.score_threshold=0.01", threshold)
     metrics = evaluate(gt, results)
+    per_class = metrics.pop("AP_per_class")
     if not args.quiet:
         annotated = counted(len(gt["images"]), "annotated image")
-        say("\n".join([f"gpudet eval: {counted(len(results), 'detection')} on {annotated}"
+        made_at = "" if threshold is None else f", made at score_threshold {threshold:g}"
+        say("\n".join([f"gpudet eval: {counted(len(results), 'detection')}{made_at} on {annotated}"
                         + (f" ({counted(unmatched, 'detected image')} not annotated)" if unmatched else "")]
-                       + [f"  {name:<6} {value:.4f}" for name, value in metrics.items()]))
+                       + [f"  {name:<6} {value:.4f}" for name, value in metrics.items()]
+                       + (["  AP per class (IoU 0.50:0.95):"] + [f"    {name:<16} {value:.4f}"
+                                                                 for name, value in per_class.items()]
+                          if len(per_class) > 1 else [])))
     if out:
-        write_output(out, "--out", json.dumps({"metrics": metrics, "detections": len(results),
+        write_output(out, "--out", json.dumps({"metrics": metrics, "AP_per_class": per_class,
+                                               "score_threshold": threshold, "detections": len(results),
                                                "unmatched_images": unmatched}, indent=2))
     return EXIT_OK
+
+
+LOW_SCORE = 0.05
+"""A score threshold at or under which records hold enough of the low-scoring detections for mAP
+(COCO's own evaluations keep detections down to 0.05 or lower)."""
+
+
+def recorded_threshold(detections: str) -> float | None:
+    """The postprocess.score_threshold the run that wrote `detections` used (its settings.json),
+    or None where no settings say."""
+    from .layout import SETTINGS, marked_settings, records_folder
+
+    settings = marked_settings(records_folder(Path(detections)) / SETTINGS) or {}
+    value = settings.get("postprocess", {}).get("score_threshold") if isinstance(settings.get("postprocess"),
+                                                                                   dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def cmd_draw(args: argparse.Namespace) -> int:

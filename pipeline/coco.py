@@ -13,6 +13,8 @@ import logging
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
+
 from .errors import ConfigError, OutputError
 
 log = logging.getLogger("gpudet")
@@ -85,8 +87,9 @@ def to_coco_results(records: Iterable[dict], gt: dict, matched: set[int] | None 
     (the same file listed twice, or two folders' files of one name) is left out, with a warning:
     scored twice, its detections would count as false positives."""
     match_image = ImageMatcher(gt["images"])
+    sizes = {img["id"]: (img.get("width"), img.get("height")) for img in gt["images"]}
     categories = {c["name"].lower(): c["id"] for c in gt["categories"]}
-    results, unmatched = [], 0
+    results, unmatched, resized = [], 0, []
     first: dict[int, str] = {}  # image id -> the path of the record kept for it
     repeated, example = 0, ("", "")  # records left out; the first of them (kept path, its path)
     for record in records:
@@ -100,6 +103,9 @@ def to_coco_results(records: Iterable[dict], gt: dict, matched: set[int] | None 
                 example = (first[image_id], record["path"])
             continue
         first[image_id] = record["path"]
+        known = sizes[image_id]
+        if "width" in record and None not in known and known != (record["width"], record["height"]):
+            resized.append((record["path"], (record["width"], record["height"]), known))
         if matched is not None:
             matched.add(image_id)
         for det in record["detections"]:
@@ -111,6 +117,8 @@ def to_coco_results(records: Iterable[dict], gt: dict, matched: set[int] | None 
             results.append({"image_id": image_id, "category_id": category_id,
                             "bbox": [round(x1, 2), round(y1, 2), round(x2 - x1, 2), round(y2 - y1, 2)],
                             "score": det["score"]})
+    if resized:
+        raise ConfigError(different_sizes(resized, len(first)))
     if repeated:
         kept, left_out = example
         many = "1 record matches" if repeated == 1 else f"{repeated} records match"
@@ -119,21 +127,43 @@ def to_coco_results(records: Iterable[dict], gt: dict, matched: set[int] | None 
     return results, unmatched
 
 
+def different_sizes(resized: list[tuple[str, tuple, tuple]], matched: int) -> str:
+    """Why records and annotations of images of other sizes cannot be scored together."""
+    path, (w, h), (gw, gh) = resized[0]
+    turned = (w, h) == (gh, gw)
+    return (f"{len(resized)} of the {matched} annotated images with a record differ in size from it (first: {path}, "
+            f"{w}x{h} in the records, {gw}x{gh} in the annotations): boxes of different pixels cannot be scored. "
+            + ("gpudet's boxes are in the image as displayed, its EXIF orientation applied; annotate the images "
+               "upright, or evaluate against annotations of the displayed images" if turned else
+               "evaluate against the annotation file of the images that were detected"))
+
+
 def evaluate(gt: dict, results: list[dict]) -> dict[str, float]:
-    """The 12 standard COCO bbox metrics (faster-coco-eval). No detections: every metric is 0."""
+    """The 12 standard COCO bbox metrics (faster-coco-eval), and `AP_per_class`: each annotated
+    category's AP (IoU 0.50:0.95, all areas, 100 detections), by name. No detections: every
+    metric is 0."""
     try:
         from faster_coco_eval import COCO, COCOeval_faster
     except ImportError:
         raise ConfigError("gpudet eval needs faster-coco-eval: pip install 'gpudet[eval]'") from None
 
+    annotated = sorted({a["category_id"] for a in gt["annotations"]})
+    names = {c["id"]: c["name"] for c in gt["categories"]}
     if not results:
-        return dict.fromkeys(METRICS, 0.0)
+        return {**dict.fromkeys(METRICS, 0.0), "AP_per_class": {names[c]: 0.0 for c in annotated}}
     coco_gt = COCO(gt)
     coco_eval = COCOeval_faster(coco_gt, coco_gt.loadRes(results), iouType="bbox", print_function=lambda *a: None)
     coco_eval.evaluate()
     coco_eval.accumulate()
     coco_eval.summarize()
-    return {name: round(float(value), 6) for name, value in zip(METRICS, coco_eval.stats)}
+    metrics = {name: round(float(value), 6) for name, value in zip(METRICS, coco_eval.stats)}
+    precision = np.asarray(coco_eval.eval["precision"])  # [IoU thresholds, recalls, categories, areas, max dets]
+    per_class = {}
+    for k, category in enumerate(coco_eval.params.catIds):
+        if category in annotated:
+            p = precision[:, :, k, 0, -1]
+            per_class[names[category]] = round(float(p[p > -1].mean()) if (p > -1).any() else 0.0, 6)
+    return {**metrics, "AP_per_class": per_class}
 
 
 def read_detections(path: str | Path) -> list[dict]:
@@ -156,20 +186,3 @@ def read_detections(path: str | Path) -> list[dict]:
                                         "images again"))
     except OutputError as e:
         raise ConfigError(str(e)) from None
-    if not path.is_file():
-        raise ConfigError(f"{path} does not exist; pass the detections.jsonl (or detections.parquet) that gpudet "
-                          "detect wrote, or its output folder")
-    records = []
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                record = None
-            if not isinstance(record, dict) or not {"path", "detections"} <= record.keys():
-                raise ConfigError(f"{path}, line {number}: not a record of gpudet detect; pass the detections.jsonl "
-                                  "it wrote")
-            records.append(record)
-    return records

@@ -20,7 +20,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
 from .errors import OutputError
-from .layout import DRAWINGS_MARKER
+from .layout import DRAWINGS_MARKER, records_folder
 
 PALETTE = ((230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
            (70, 240, 240), (240, 50, 230))
@@ -98,10 +98,7 @@ def recorded_root(detections: str | Path) -> str | None:
     """The folder the run that wrote `detections` (its output folder, detections.jsonl,
     detections.parquet or one of its files) ran in, from the output folder's summary.json: the
     records' relative paths resolve against it. None if there is no summary to say."""
-    path = Path(detections)
-    folder = path if path.is_dir() and path.suffix != ".parquet" else path.parent
-    if folder.suffix == ".parquet":  # a file inside detections.parquet/
-        folder = folder.parent
+    folder = records_folder(Path(detections))
     try:
         cwd = json.loads((folder / "summary.json").read_text()).get("cwd")
     except (OSError, ValueError, AttributeError, RecursionError):

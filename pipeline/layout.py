@@ -62,6 +62,13 @@ def marked_settings(path: Path) -> dict | None:
     return None
 
 
+def records_folder(detections: Path) -> Path:
+    """The output folder that holds `detections` (the folder, its detections.jsonl or
+    detections.parquet, or a file inside that)."""
+    folder = detections if detections.is_dir() and detections.suffix != ".parquet" else detections.parent
+    return folder.parent if folder.suffix == ".parquet" else folder
+
+
 def with_marker(settings: dict, version: str) -> dict:
     """settings.json's content: gpudet's key first, then the settings' sections."""
     return {MARKER_KEY: version, **settings}
@@ -95,7 +102,7 @@ def foreign_names(path: Path) -> list[str]:
     return names
 
 
-DRAWING = re.compile(r"\d{8}_[A-Za-z0-9._-]{1,64}\.(jpg|png|webp)")
+DRAWING = re.compile(r"\d{8}_[\w.-]{1,64}\.(jpg|png|webp)")
 """A drawing's name, as gpudet draw writes it: 00000042_street.jpg."""
 
 

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from pipeline.cli import main
-from pipeline.coco import ImageMatcher, evaluate, to_coco_results
+from pipeline.coco import METRICS, ImageMatcher, evaluate, to_coco_results
 from pipeline.draw import safe_stem
 
 from conftest import SAMPLES
@@ -60,10 +60,44 @@ def test_eval_reports_the_coco_metrics(labelled, capsys):
     metrics_file = labelled / "metrics.json"
     assert main(["eval", str(labelled / "out" / "detections.jsonl"), "--annotations", str(labelled / "gt.json"),
                  "--out", str(metrics_file)]) == 0
-    printed = capsys.readouterr().out
-    assert "AP50" in printed and "AR100" in printed
-    metrics = json.loads(metrics_file.read_text())["metrics"]
+    printed = capsys.readouterr()
+    assert "AP50" in printed.out and "AR100" in printed.out
+    assert "made at score_threshold 0.9 on 4 annotated images" in printed.out  # the records' own threshold
+    assert "made at postprocess.score_threshold 0.9: mAP counts only detections above it" in printed.err
+    report = json.loads(metrics_file.read_text())
+    metrics = report["metrics"]
     assert metrics["AP50"] > 0.99 and metrics["AP"] > 0.5  # three faces found within a few px, nothing else
+    assert report["AP_per_class"] == {"Face": metrics["AP"]} and report["score_threshold"] == 0.9
+
+
+def test_eval_gives_each_annotated_class_its_ap():
+    gt = {"images": [{"id": 1, "file_name": "a.jpg", "width": 100, "height": 100}],
+          "categories": [{"id": 1, "name": "cat"}, {"id": 2, "name": "dog"}, {"id": 3, "name": "bird"}],
+          "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [10, 10, 30, 30], "area": 900,
+                           "iscrowd": 0},
+                          {"id": 2, "image_id": 1, "category_id": 2, "bbox": [50, 50, 40, 40], "area": 1600,
+                           "iscrowd": 0}]}
+    records = [{"path": "a.jpg", "width": 100, "height": 100, "detections": [
+        {"name": "cat", "box": [10, 10, 40, 40], "score": 0.9},  # exact
+        {"name": "dog", "box": [0, 0, 20, 20], "score": 0.8}]}]  # nowhere near the dog
+    results, _ = to_coco_results(records, gt)
+    assert evaluate(gt, results)["AP_per_class"] == {"cat": 1.0, "dog": 0.0}  # bird: not annotated, not scored
+
+
+@pytest.mark.parametrize("factor, words", [(2, "evaluate against the annotation file of the images that were "
+                                               "detected"),
+                                           (None, "gpudet's boxes are in the image as displayed, its EXIF "
+                                                  "orientation applied")])
+def test_eval_refuses_annotations_of_images_of_another_size(labelled, tmp_path, capsys, factor, words):
+    gt = json.loads((labelled / "gt.json").read_text())
+    for image in gt["images"]:
+        image["width"], image["height"] = ((image["width"] * factor, image["height"] * factor) if factor
+                                           else (image["height"], image["width"]))
+    (tmp_path / "gt.json").write_text(json.dumps(gt))
+    assert main(["eval", str(labelled / "out"), "--annotations", str(tmp_path / "gt.json")]) == 2
+    err = capsys.readouterr().err
+    assert "4 of the 4 annotated images with a record differ in size from it (first: " in err and words in err, err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_eval_of_wrong_boxes_and_of_no_detections(labelled):
@@ -74,7 +108,7 @@ def test_eval_of_wrong_boxes_and_of_no_detections(labelled):
             det["box"] = [v + 60 for v in det["box"]]  # shifted by half a face
     shifted, _ = to_coco_results(records, gt)
     assert evaluate(gt, shifted)["AP50"] < 0.5
-    assert evaluate(gt, []) == dict.fromkeys(evaluate(gt, []), 0.0)
+    assert evaluate(gt, []) == {**dict.fromkeys(METRICS, 0.0), "AP_per_class": {"Face": 0.0}}
 
 
 def test_eval_of_a_run_that_recorded_no_processed_image_is_refused(labelled, tmp_path, capsys):
