@@ -8,7 +8,7 @@
 
 import os
 
-from ._version import __version__
+from ._version import __version__ as __version__
 
 # ONNX Runtime's telemetry writes a device id and an event database under ~/.cache/Microsoft when it
 # is imported, outside anything a user gave gpudet: off before onnxruntime loads (session.py turns

@@ -430,13 +430,22 @@ SIXTEEN_TO_EIGHT_BITS = ((np.arange(65536, dtype=np.int64) * 255 + 32767) // 655
 """A 16-bit value's 8-bit one, rounded: v * 255 / 65535."""
 
 
+ORIENTATION_TAG = 0x0112
+"""EXIF's Orientation."""
+
+
 def pil_pixels(image) -> np.ndarray:
     """A PIL image's pixels as uint8 RGB [H, W, 3], loaded now (a lazily opened image raises here,
     OSError or ValueError, when its data cannot be read). 16-bit ones (modes "I;16", "I") are
     scaled to 8 bits as DALI's decoder scales a 16-bit file: PIL's own convert("RGB") clips them,
     turning an image almost white. Grey, palette, CMYK and alpha go through convert("RGB") (alpha
-    dropped, as the decoder drops it)."""
+    dropped, as the decoder drops it). Its EXIF orientation is applied, as it is to a file's pixels:
+    the same photo as a path, as bytes or opened with PIL gives the same detections."""
     image.load()
+    if image.getexif().get(ORIENTATION_TAG, 1) != 1:
+        from PIL import ImageOps
+
+        image = ImageOps.exif_transpose(image)
     if image.mode == "I" or image.mode.startswith("I;16"):
         values = np.asarray(image)
         if values.dtype != np.uint16:  # mode "I": int32

@@ -353,3 +353,19 @@ def test_draw_asks_for_an_image_given_in_memory_and_refuses_one_of_another_size(
     assert result.draw(photo).size == (512, 512)
     with pytest.raises(ValueError, match="the image is 256x128 and <array 0>'s detections are in 512x512 pixels"):
         result.draw(photo[:128, :256])
+
+
+def test_a_pil_image_is_turned_as_its_exif_orientation_says_like_its_file(tmp_path):
+    """A photo stored on its side with EXIF orientation 6: as a path, as bytes and opened with PIL
+    (also converted), it is the same upright image with the same face."""
+    upright = Image.open(SAMPLES / "grace_hopper.jpg").convert("RGB")  # 512x600, one face
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown turned 90° clockwise: stored turned the other way
+    upright.transpose(Image.Transpose.ROTATE_90).save(tmp_path / "turned.jpg", exif=exif, quality=95)
+    detector = Detector.from_config(device="cpu")
+    given = [str(tmp_path / "turned.jpg"), (tmp_path / "turned.jpg").read_bytes(), Image.open(tmp_path / "turned.jpg"),
+             Image.open(tmp_path / "turned.jpg").convert("RGB")]
+    results = list(detector.run(given))
+    assert [(r.width, r.height, len(r.scores)) for r in results] == [(512, 600, 1)] * 4
+    for r in results[1:]:
+        assert np.abs(r.boxes_xyxy - results[0].boxes_xyxy).max() < 1.0
