@@ -246,6 +246,8 @@ def summary_table(s: dict) -> str:
         lines.append(f"        worker {w['worker']} on {w['device']}: {counted(w['processed'], 'image')}, "
                      f"{w['failed']} failed, {w['images_per_s'] or '-'} img/s, exit {w['exit_code']}"
                      + (f" (restarted after {', '.join(map(str, died))})" if died else ""))
+    if s.get("skipped_not_images"):
+        lines.append(f"        skipped: {counted(s['skipped_not_images'], 'file')} of the folder that are no images")
     if s["failed_by_reason"]:
         lines.append("        failed: " + ", ".join(f"{k} {v}" for k, v in sorted(s["failed_by_reason"].items())))
     lines.append(f"        results in {s['results']}" +

@@ -105,7 +105,8 @@ def run_job(source: str, config: Config, options: RunOptions, executor: Executor
     startup_s, t0 = process_seconds(), time.perf_counter()  # the command's start and imports, before this clock
     with OutputFolder(options.out, output_format=options.output_format, resume=options.resume,
                       overwrite=options.overwrite, retry_failed=options.retry_failed) as folder:
-        refs = list_images(source, root=options.root)
+        not_images: list[Path] = []
+        refs = list_images(source, root=options.root, skipped=not_images)
         todo = folder.begin(refs, config.result_settings())
         outcome, model = Outcome(device=config.run.device), None
         if todo:
@@ -115,11 +116,13 @@ def run_job(source: str, config: Config, options: RunOptions, executor: Executor
         folder.started()  # a run with nothing to do changes the folder here (its summary)
         last_record_written()  # from here an interrupt is noted: the merge and the summary go on
         return finish(folder, todo, outcome, source=str(source), images=len(refs), config=config,
-                      model=outcome.model or model, started_at=started_at, startup_s=startup_s, t0=t0)
+                      model=outcome.model or model, started_at=started_at, startup_s=startup_s, t0=t0,
+                      not_images=len(not_images))
 
 
 def finish(folder: OutputFolder, todo: list[ImageRef], outcome: Outcome, *, source: str, images: int,
-           config: Config, model: dict | None, started_at: datetime, startup_s: float, t0: float) -> RunResult:
+           config: Config, model: dict | None, started_at: datetime, startup_s: float, t0: float,
+           not_images: int = 0) -> RunResult:
     """The records of the shards merged into the folder's files (each image once), the shards
     dropped once every image is recorded, summary.json written, and the one exit-code rule:
     130 interrupted, 1 images not recorded (a worker or the cluster failed: --resume goes on),
@@ -150,7 +153,8 @@ def finish(folder: OutputFolder, todo: list[ImageRef], outcome: Outcome, *, sour
     summary = folder.write_summary(source=source, images=images, todo=len(todo), device=outcome.device,
                                    seconds=seconds, loop_seconds=loop_s, started=started_at, model=model,
                                    config=config.to_dict(),
-                                   extra={**extra, "not_recorded": unrecorded, "failures": failures})
+                                   extra={**extra, "not_recorded": unrecorded, "failures": failures,
+                                          "skipped_not_images": not_images})
     code = EXIT_INTERRUPTED if tally.interrupted else EXIT_INTERNAL if failed else tally.exit_code
     return RunResult(summary, code)
 

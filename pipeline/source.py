@@ -15,7 +15,7 @@ import io
 import logging
 import os
 import stat
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,8 +32,8 @@ from .results import ImageError, ImageRef
 
 log = logging.getLogger("gpudet")
 
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".jp2", ".pnm", ".ppm",
-                              ".pgm"})
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".tif", ".tiff", ".webp", ".jp2",
+                              ".pnm", ".ppm", ".pgm"})
 @dataclass(frozen=True)
 class EncodedImage:
     ref: ImageRef
@@ -46,9 +46,11 @@ class EncodedImage:
     threads)."""
 
 
-def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = None) -> list[ImageRef]:
-    """Expand SOURCE into indexed image paths: a `.txt` file list (`read_list`), a folder (searched
-    recursively for image extensions, sorted), one image file, or a glob (`*`, `?`, `[`; sorted).
+def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = None,
+                skipped: list[Path] | None = None) -> list[ImageRef]:
+    """Expand SOURCE into indexed image paths: a `.txt` file list (`read_list`), a folder (its image
+    files, searched recursively, sorted: `images_in`; the files in it that are no images go to
+    `skipped`, and a line says how many), one image file, or a glob (`*`, `?`, `[`; sorted).
     Listed paths are kept even if missing: they fail later with an error record, not silently.
     A source that lists no image at all is an error, so that a typo does not look like success."""
     text = os.fspath(source)
@@ -74,8 +76,14 @@ def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = N
         raise SourceError(f"--root {os.fspath(root)} is not a folder; give the folder that the list's relative "
                           "paths resolve against, or leave it out (they resolve against the list's folder)")
     if is_dir:
-        refs = [ImageRef(i, str(p)) for i, p in enumerate(images_in(path))]
-        what = f"folder {text} holds no image file ({', '.join(sorted(IMAGE_EXTENSIONS))}, searched recursively)"
+        others: list[Path] = []
+        refs = [ImageRef(i, str(p)) for i, p in enumerate(images_in(path, others))]
+        if skipped is not None:
+            skipped += others
+        if others:
+            log.warning("%s", not_images_line(text, others))
+        what = (f"folder {text} holds no image file (none named {', '.join(sorted(IMAGE_EXTENSIONS))}, and none "
+                "that starts as an image; searched recursively)")
     elif is_list:
         try:
             refs = read_list(path, Path(root) if root is not None else path.parent)
@@ -123,20 +131,39 @@ def looks_like_a_list(path: Path) -> bool:
     return True
 
 
-def images_in(folder: Path) -> list[Path]:
-    """The image files under `folder`, searched recursively (links to folders not followed), in
-    pathlib's sorted order; gpudet's own files in it (the records of an output folder, the
-    drawings of `gpudet draw`) are left out (layout.skipped_in_walk). What is named as an
-    image but is no regular file (a dangling link, a FIFO) is listed, as a file list lists it, so
-    that its record says why it was not read. A folder inside it that cannot be read is named in
-    a warning (the images in it cannot be listed, so no record can say they were missed); `folder`
-    itself unreadable is an error."""
+def images_in(folder: Path, skipped: list[Path] | None = None) -> list[Path]:
+    """The image files under `folder`, searched recursively, in pathlib's sorted order. A file
+    named as an image (IMAGE_EXTENSIONS) is listed; any other file is listed when its first bytes
+    are an image's (a .jfif, a photo with no extension), else it goes to `skipped`. A link to a
+    folder outside `folder` is followed (a loop of links is walked once); one to a folder inside it
+    is not, its images listed by their own paths. gpudet's own files (the records of an output
+    folder, the drawings of `gpudet draw`) are left out (layout.skipped_in_walk). What is named as
+    an image but is no regular file (a dangling link, a FIFO) is listed, as a file list lists it,
+    so that its record says why it was not read. A folder inside it that cannot be read is named
+    in a warning (the images in it cannot be listed, so no record can say they were missed);
+    `folder` itself unreadable is an error."""
     found: list[Path] = []
     unreadable: list[OSError] = []
-    for top, dirs, names in os.walk(folder, onerror=unreadable.append):
+    inside = os.path.realpath(folder)
+    walked: set[tuple[int, int]] = set()
+    for top, dirs, names in os.walk(folder, onerror=unreadable.append, followlinks=True):
+        try:
+            here = os.stat(top)
+        except OSError:
+            continue
+        if (here.st_dev, here.st_ino) in walked:  # reached again through links outside: a loop
+            dirs[:] = []
+            continue
+        walked.add((here.st_dev, here.st_ino))
         dirs[:], names = layout.skipped_in_walk(Path(top), dirs, names)
-        paths = (Path(top, name) for name in names)
-        found += [p for p in paths if p.suffix.lower() in IMAGE_EXTENSIONS]  # pathlib's suffix: ..jpg's is .jpg
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(top, d))
+                   or not is_within(os.path.realpath(os.path.join(top, d)), inside)]
+        for name in names:
+            path = Path(top, name)
+            if path.suffix.lower() in IMAGE_EXTENSIONS or is_image_file(path):  # pathlib's suffix: ..jpg's is .jpg
+                found.append(path)
+            elif skipped is not None:
+                skipped.append(path)
     for e in unreadable:
         if os.fspath(e.filename) == os.fspath(folder):
             raise SourceError(f"folder {folder}: cannot read it ({e.strerror}); give gpudet read access, or "
@@ -144,6 +171,32 @@ def images_in(folder: Path) -> list[Path]:
         log.warning("%s: cannot read this folder (%s): the images in it are not listed and get no record; to "
                     "detect them, give gpudet read access to it and run again", e.filename, e.strerror)
     return sorted(found)
+
+
+def is_within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def is_image_file(path: Path) -> bool:
+    """Whether a regular file starts as an image of a format gpudet reads does."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and sniff_format(os.read(fd, 16)) is not None
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def not_images_line(folder: str, skipped: list[Path]) -> str:
+    """One line on the files of a folder source that are no images, by kind (their extensions)."""
+    kinds = Counter(p.suffix.lower() or "no extension" for p in skipped)
+    shown = ", ".join(f"{kind} {n}" for kind, n in kinds.most_common(5)) + (", ..." if len(kinds) > 5 else "")
+    return (f"folder {folder}: {len(skipped)} file{'s' if len(skipped) != 1 else ''} that are no images of a format "
+            f"gpudet reads ({shown}; by their first bytes) are skipped, e.g. {skipped[0]}")
 
 
 def read_list(path: Path, base: Path) -> list[ImageRef]:

@@ -8,7 +8,7 @@ from pipeline.errors import SourceError
 from pipeline.results import ImageError, ImageRef
 from pipeline.source import EncodedImage, NotAFile, batched, list_images, read_checked, read_chunks, read_file
 
-from conftest import SAMPLES, read_jsonl
+from conftest import SAMPLES, gpudet, read_jsonl
 
 
 def test_file_list_resolves_relative_paths_against_its_folder_or_root(tmp_path):
@@ -240,3 +240,43 @@ def test_a_folder_lists_what_pathlib_calls_an_image_sorted_as_pathlib_sorts(tmp_
     expected = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
     assert [r.path for r in list_images(folder)] == [str(p) for p in expected]
     assert str(folder / "..jpg") in [r.path for r in list_images(folder)]
+
+
+def test_a_folder_is_read_by_content_follows_links_outside_it_once_and_counts_what_it_skips(tmp_path):
+    """A .jfif, a photo with no extension and a .heic holding JPEG bytes are listed, as a file list
+    lists them; a text file and a real HEIC's bytes are skipped and counted; a linked folder outside
+    the source is followed, and a loop of links through it walked once."""
+    from pipeline.source import list_images
+
+    jpeg = (SAMPLES / "grace_hopper.jpg").read_bytes()
+    src, outside = tmp_path / "src", tmp_path / "elsewhere"
+    src.mkdir()
+    outside.mkdir()
+    for name in ("a.jfif", "noext", "photo.heic", "plain.jpg"):
+        (src / name).write_bytes(jpeg)
+    (src / "notes.txt").write_text("not an image\n")
+    (src / "real.heic").write_bytes(b"\x00\x00\x00\x18ftypheic" + bytes(64))
+    (outside / "far.jpg").write_bytes(jpeg)
+    (src / "linked").symlink_to(outside)
+    (outside / "back").symlink_to(tmp_path)  # a loop: elsewhere/back/elsewhere/back/...
+    skipped = []
+    listed = [r.path.removeprefix(str(src) + "/") for r in list_images(src, skipped=skipped)]
+    assert listed == ["a.jfif", "linked/far.jpg", "noext", "photo.heic", "plain.jpg"]
+    assert sorted(p.name for p in skipped) == ["notes.txt", "real.heic"]
+
+
+def test_a_folders_files_that_are_no_images_are_counted_in_the_summary_and_named_once(tmp_path):
+    import json
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes((SAMPLES / "grace_hopper.jpg").read_bytes())
+    for name in ("notes.txt", "b.json", "c.txt"):
+        (src / name).write_text("{}")
+    run = gpudet("detect", src, "--out", tmp_path / "o", "--device", "cpu", "--no-progress")
+    assert run.returncode == 0, run.stderr
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["images"] == 1 and summary["processed"] == 1 and summary["skipped_not_images"] == 3
+    assert "skipped: 3 files of the folder that are no images" in run.stdout
+    assert f"folder {src}: 3 files that are no images of a format gpudet reads (.txt 2, .json 1; by their first " \
+           "bytes) are skipped, e.g. " in run.stderr, run.stderr
