@@ -521,6 +521,7 @@ def recorded(paths: Iterable[Path], refs: list[ImageRef], kind: RecordFormat) ->
     """The indices recorded as processed and as failed in result files of earlier runs (detections
     files of `kind`, errors.jsonl), each checked to belong to `refs`."""
     by_index = {r.index: r.path for r in refs}
+    by_path: dict[str, int] = {}
     processed: set[int] = set()
     failed: set[int] = set()
     for path in paths:
@@ -530,6 +531,10 @@ def recorded(paths: Iterable[Path], refs: list[ImageRef], kind: RecordFormat) ->
         for index, image in read:
             expected = by_index.get(index)
             if expected is None or image != expected:
+                if not by_path:
+                    by_path = {r.path: r.index for r in reversed(refs)}
+                if image in by_path:  # the same file at another place: files came or went since
+                    raise OutputError(moved(path, index, image, by_path[image], expected))
                 this = f"which has no image {index}" if expected is None else f"whose image {index} is {expected}"
                 raise OutputError(
                     f"{path}: record {index} ({image}) is not of this source, {this}; resume with the source "
@@ -537,6 +542,16 @@ def recorded(paths: Iterable[Path], refs: list[ImageRef], kind: RecordFormat) ->
                     "as it resolved from there), with the same --root; or use --overwrite")
             done.add(index)
     return processed, failed
+
+
+def moved(path: Path, index: int, image: str, now: int, there: str | None) -> str:
+    """Why records of a source whose files came or went since cannot be resumed, and what to do."""
+    change = (f"{there} is image {index} now, a file new since then or one that sorts before it" if now > index
+              else "files listed before it then are gone")
+    return (f"{path}: the source changed since the run that wrote it: {image} was image {index} then and is image "
+            f"{now} now ({change}). A resume goes on with the same images in the same order (each record's index is "
+            "its place in the source): detect the new files into another --out (a folder or a list of them), or "
+            "start again with --overwrite")
 
 
 def setting_changes(before: dict, now: dict) -> list[str]:

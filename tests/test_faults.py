@@ -557,3 +557,20 @@ def test_a_reader_of_stderr_that_goes_away_does_not_hang_the_capture(tmp_path):
     process.stderr.close()  # the reader of stderr is gone
     out, _ = process.communicate(timeout=60)
     assert "done" in out
+
+
+def test_resume_of_a_folder_that_gained_a_file_sorting_first_names_it(tmp_path):
+    import shutil
+
+    src = tmp_path / "photos"
+    src.mkdir()
+    for name in ("b.jpg", "c.jpg"):
+        shutil.copy(SAMPLES / "grace_hopper.jpg", src / name)
+    assert gpudet("detect", src, "--out", tmp_path / "o", "--device", "cpu", "--no-progress").returncode == 0
+    shutil.copy(SAMPLES / "china.jpg", src / "0000.jpg")
+    run = gpudet("detect", src, "--out", tmp_path / "o", "--device", "cpu", "--resume", "--no-progress")
+    one_clear_line(run, 2)
+    line = run.stderr
+    assert f"the source changed since the run that wrote it: {src}/b.jpg was image 0 then and is image 1 now " \
+           f"({src}/0000.jpg is image 0 now, a file new since then or one that sorts before it)" in line, line
+    assert "detect the new files into another --out" in line and "--root" not in line
