@@ -25,6 +25,7 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,11 +162,10 @@ class OnRay:
         import ray
 
         started, show = time.perf_counter(), options.show_progress  # before Ray's messages are taken off stderr
-        folder.started()  # the actors write into its shards from here
         failure, streaming, gpus = None, 0.0, self.gpus_per_worker
-        try:
+        try:  # folder.started() once Ray runs: a Ray that does not start leaves the folder as it was
             streaming, gpus, failure = run_actors(ray, todo, config, folder.format, folder.path / SHARDS, self.address,
-                                                  self.workers, gpus, show)
+                                                  self.workers, gpus, show, started=folder.started)
         except KeyboardInterrupt:  # what the actors wrote stays in their shards; --resume goes on
             folder.tally.interrupted = True
         total = time.perf_counter() - started
@@ -176,13 +176,16 @@ class OnRay:
 
 
 def run_actors(ray, todo: list[ImageRef], config: Config, output_format: str, shards: Path, address: str | None,
-               workers: int, gpus: float | None, show: bool) -> tuple[float, float, str | None]:
-    """Ray started (or reached), the actors streamed over `todo`, Ray shut down if started here.
-    Returns the stream's seconds, the GPUs per actor, and why Ray gave up (None if it did not)."""
+               workers: int, gpus: float | None, show: bool, started: Callable[[], None]
+               ) -> tuple[float, float, str | None]:
+    """Ray started (or reached), then `started()` (the actors write from here), the actors streamed
+    over `todo`, Ray shut down if started here. Returns the stream's seconds, the GPUs per actor,
+    and why Ray gave up (None if it did not)."""
     started_here = not ray.is_initialized()
     with stderr_into_log("ray", ray_level) as stderr:
         start_ray(ray, address, workers)
         try:
+            started()
             if gpus is None:  # one GPU per actor where the cluster has GPUs and the config allows
                 gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 and config.run.device != "cpu" else 0.0
             try:

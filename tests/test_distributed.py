@@ -208,6 +208,17 @@ def test_ray_usage_errors_are_one_line(tmp_path):
     assert run.returncode == 2 and run.stderr.strip() == "gpudet: ERROR: --workers 0: give at least 1 detector actor"
 
 
+def test_a_ray_that_does_not_start_leaves_no_folder_and_changes_none(tmp_path):
+    """A refused address: one line, exit 2, no new --out left behind, and an existing one as it was."""
+    run = ray_run(SAMPLES, "--out", tmp_path / "o", "--ray", "ray://127.0.0.1:1", "--device", "cpu")
+    assert run.returncode == 2 and "--ray ray://127.0.0.1:1: Ray did not start" in run.stderr, run.stderr
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    run = ray_run(SAMPLES, "--out", tmp_path / "mine", "--ray", "ray://127.0.0.1:1", "--device", "cpu")
+    assert run.returncode == 2 and sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+
+
 def test_progress_is_a_bar_on_stderr_not_a_warning_from_ray(tmp_path):
     run = ray_run(SAMPLES, "--out", tmp_path / "o", "--ray", "--workers", "1", "--device", "cpu", "--progress")
     assert run.returncode == 0, run.stderr[-3000:]
