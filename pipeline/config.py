@@ -42,7 +42,8 @@ class ModelConfig:
     outputs; or a contract's name (pipeline/contracts/: end_to_end, ssd_heads, retinanet_heads, ...),
     or `module:Class` of a contract of your own."""
     labels: tuple[str, ...] = ("face",)
-    """Class names, indexed by the model's label output (or label 0 when it has none)."""
+    """Class names, indexed by the model's label output (or label 0 when it has none); a label with
+    no name here (all of them where this is empty) is named by its number."""
     landmarks: int = 5
     """Landmark points per detection the model outputs (0 for none)."""
     anchor_strides: tuple[int, ...] = (8, 16, 32)
@@ -235,7 +236,6 @@ class Config:
              "needs run.prefer_nhwc: true (in NCHW cuDNN has no fused kernel for a 3-channel stem); set "
              "prefer_nhwc, or fuse_conv_bias: false")
         need(0 <= self.model.landmarks <= 1000, "model.landmarks", "must be in 0..1000")
-        need(len(self.model.labels) > 0, "model.labels", "needs at least one name")
 
 
 MAX_SIDE = 16384  # the largest model input side gpudet accepts (pixels)
@@ -454,7 +454,96 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str | tuple[
         if key in set_by:
             raise ConfigError(f"{set_by[key]}: {e}") from None
         raise
+    if path == builtin_config() and "model.path" in set_by:
+        return taken_from_the_model(config, set_by)
     return config
+
+
+GUESSED = {"preprocess.channel_order": "RGB", "preprocess.mean": (0.0, 0.0, 0.0),
+           "preprocess.std": (255.0, 255.0, 255.0)}
+"""What a model given without its config is fed where the model cannot say: RGB pixels scaled to
+0..1, as YOLO, RT-DETR and torchvision's detection exports take them."""
+
+
+def taken_from_the_model(config: Config, set_by: dict[str, str]) -> Config:
+    """A model given without a config of its own (--model, or model= with the embedded config):
+    the embedded config's settings are RetinaFace's, so what the model declares replaces them (its
+    input size where it is fixed, its class names from its metadata: `names` as Ultralytics writes
+    it, or `labels`), and what it cannot declare is guessed (GUESSED), with one warning naming the
+    keys to set. What the user set (--set) stays; a model gpudet ships keeps the embedded config."""
+    try:
+        path = resolve_model_path(config)
+    except ConfigError:
+        return config  # named where the model is loaded
+    if path.parent == builtin_model_dir().resolve():
+        return config
+    declared = model_declarations(path)
+    if declared is None:  # not a model ONNX reads: named where it is loaded
+        return config
+    labels, size_hw = declared
+    changes = {key: value for key, value in GUESSED.items() if key not in set_by}
+    if "model.labels" not in set_by:
+        changes["model.labels"] = labels
+    if size_hw is not None and "preprocess.size" not in set_by:
+        changes["preprocess.size"] = size_hw
+    sections = {}
+    for key, value in changes.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    config = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **values)
+                                            for section, values in sections.items()})
+    guessed = [key for key in (*GUESSED, "model.labels") if key in changes and not (key == "model.labels" and labels)]
+    if guessed:
+        def typed(value) -> str:  # as --set takes it
+            return f"[{','.join(f'{v:g}' for v in value)}]" if isinstance(value, tuple) else str(value)
+
+        shown_values = ", ".join(f"{key.split('.')[1]} {typed(changes[key]) if changes[key] else 'label numbers'}"
+                                 for key in guessed)
+        log.warning("%s came without a config: gpudet takes its %s from it, and guesses what it does not say (%s); "
+                    "if it was trained otherwise, set %s (--set, or a config: docs/MODELS.md)", path.name,
+                    "input size and class names" if labels else "input size", shown_values, ", ".join(guessed))
+    return config
+
+
+def model_declarations(path: Path) -> tuple[tuple[str, ...], tuple[int, int] | None] | None:
+    """A model's class names (its metadata's `names`, Ultralytics' {0: 'person', ...}, or
+    `labels`: a JSON list or names separated by commas; () where it has neither) and its image
+    input's fixed [height, width] (None where dynamic), read with ONNX without its weights; None
+    where ONNX cannot read the file."""
+    import ast
+
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:
+        return None
+    metadata = {p.key: p.value for p in model.metadata_props}
+    labels: tuple[str, ...] = ()
+    try:
+        if max(map(len, metadata.values()), default=0) > 1 << 20:
+            raise ValueError("metadata too large to be class names")
+        if "names" in metadata:
+            names = ast.literal_eval(metadata["names"])
+            if isinstance(names, dict) and names and all(isinstance(k, int) and k >= 0 for k in names):
+                labels = tuple(str(names.get(k, k)) for k in range(max(names) + 1))
+        elif "labels" in metadata:
+            text = metadata["labels"].strip()
+            names = json.loads(text) if text.startswith("[") else [n.strip() for n in text.split(",")]
+            labels = tuple(str(n) for n in names)
+    except (ValueError, SyntaxError, RecursionError, MemoryError):
+        labels = ()
+    weights = {i.name for i in model.graph.initializer}
+    size_hw = None
+    for given in model.graph.input:
+        if given.name in weights:
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in given.type.tensor_type.shape.dim]
+        if len(dims) == 4:
+            h, w = (dims[2], dims[3]) if dims[1] == 3 else (dims[1], dims[2])
+            size_hw = (h, w) if h and w else None
+        break
+    return labels, size_hw
 
 
 def model_candidates(text: str, config_dir: Path | None = None) -> list[Path]:

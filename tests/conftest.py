@@ -111,3 +111,26 @@ def random_boxes(generator, batch: int, k: int, grid: bool = False):
         xy = torch.rand(batch, k, 2, generator=generator) * 200
         wh = torch.rand(batch, k, 2, generator=generator) * 80 + 1
     return torch.cat([xy, xy + wh], dim=-1)
+
+
+def constant_model(path: Path, outputs: dict, *, metadata: dict[str, str] | None = None,
+                   input_shape: list | None = None) -> Path:
+    """An end_to_end ONNX model whose outputs are these constants, whatever the images; with these
+    metadata_props, and an image input of this shape (default ["b", 3, "h", "w"])."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    image = helper.make_tensor_value_info("images", onnx.TensorProto.FLOAT, input_shape or ["b", 3, "h", "w"])
+    nodes, declared = [], []
+    for name, value in outputs.items():
+        value = np.asarray(value)
+        nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
+        kind = onnx.TensorProto.INT64 if value.dtype == np.int64 else onnx.TensorProto.FLOAT
+        declared.append(helper.make_tensor_value_info(name, kind, ["n"] + [None] * (value.ndim - 1)))
+    graph = helper.make_graph(nodes, "constant", [image], declared)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    for key, value in (metadata or {}).items():
+        model.metadata_props.add(key=key, value=value)
+    onnx.save(model, str(path))
+    return path

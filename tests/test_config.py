@@ -4,7 +4,7 @@ import pytest
 
 from pipeline.config import ConfigError, load_config, resolve_model_path
 
-from conftest import ROOT
+from conftest import ROOT, SAMPLES
 
 
 def write(tmp_path, text):
@@ -165,3 +165,60 @@ def test_a_shipped_config_is_found_by_its_name_and_a_folder_is_named_as_one(tmp_
         load_config("retinanet")
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("sub/retinaface_mnet025_e2e.yaml")  # a path with a folder means that folder
+
+
+def one_box_model(path, **options):
+    """A constant end_to_end model: one box of label 1 in image 0."""
+    import numpy as np
+
+    from conftest import constant_model
+
+    return constant_model(path, {"boxes": np.array([[4, 4, 40, 40]], np.float32), "scores": np.array([0.99], np.float32),
+                                 "batch_index": np.array([0], np.int64), "labels": np.array([1], np.int64)}, **options)
+
+
+def test_a_model_without_its_config_gives_what_it_declares_and_names_what_is_guessed(tmp_path):
+    """--model with no --config: the model's fixed input size and its class names (Ultralytics'
+    `names` metadata) are taken, RetinaFace's channel order, mean and std are not: RGB 0..1 is
+    guessed, with one warning naming the keys to set."""
+    import json
+
+    from conftest import gpudet
+
+    model = one_box_model(tmp_path / "yolo.onnx", metadata={"names": "{0: 'person', 1: 'car'}"},
+                          input_shape=[1, 3, 320, 320])
+    run = gpudet("detect", SAMPLES / "astronaut.png", "--out", tmp_path / "o", "--model", model, "--device", "cpu",
+                 "--set", "model.landmarks=0")
+    assert run.returncode == 0, run.stderr
+    warnings = [line for line in run.stderr.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and "yolo.onnx came without a config: gpudet takes its input size and class names " \
+        "from it, and guesses what it does not say (channel_order RGB, mean [0,0,0], std [255,255,255]); if it was trained otherwise, set preprocess.channel_order, preprocess.mean, " \
+        "preprocess.std" in warnings[0], run.stderr
+    settings = json.loads((tmp_path / "o" / "settings.json").read_text())
+    assert settings["model"]["labels"] == ["person", "car"] and settings["preprocess"]["size"] == [320, 320]
+    (record,) = [json.loads(line) for line in (tmp_path / "o" / "detections.jsonl").read_text().splitlines()]
+    assert record["detections"][0]["name"] == "car"
+
+
+def test_what_the_user_sets_stays_and_labels_nobody_names_are_numbers(tmp_path):
+    import json
+
+    from conftest import gpudet
+
+    model = one_box_model(tmp_path / "m.onnx")
+    run = gpudet("detect", SAMPLES / "astronaut.png", "--out", tmp_path / "o", "--model", model, "--device", "cpu",
+                 "--set", "model.landmarks=0", "--set", "preprocess.channel_order=BGR")
+    assert run.returncode == 0, run.stderr
+    assert "guesses what it does not say (mean [0,0,0], std [255,255,255], labels label numbers)" \
+        in run.stderr and "channel_order" not in run.stderr, run.stderr
+    settings = json.loads((tmp_path / "o" / "settings.json").read_text())
+    assert settings["preprocess"]["channel_order"] == "BGR" and settings["model"]["labels"] == []
+    (record,) = [json.loads(line) for line in (tmp_path / "o" / "detections.jsonl").read_text().splitlines()]
+    assert record["detections"][0]["name"] == "1"
+
+
+def test_a_model_gpudet_ships_keeps_the_embedded_config():
+    from pipeline.config import load_config, option_overrides
+
+    config = load_config(None, option_overrides(model="retinaface_mnet025_heads_640.onnx"))
+    assert config.model.labels == ("face",) and config.preprocess.channel_order == "BGR"

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import EXPECTED_FACES, PHOTOS, SAMPLES, gpudet, one_clear_line, read_jsonl
+from conftest import EXPECTED_FACES, PHOTOS, SAMPLES, constant_model, gpudet, one_clear_line, read_jsonl
 
 from pipeline.cli import main
 
@@ -312,24 +312,6 @@ def test_a_full_disk_at_the_start_is_exit_4_and_leaves_no_folder(tmp_path):
     run = subprocess.run(["unshare", "-Urm", "sh", "-c", script], capture_output=True, text=True, timeout=120)
     assert "rc=4" in run.stderr and "the disk is full" in run.stderr, run.stderr[-2000:]
     assert "Traceback" not in run.stderr and run.stderr.strip().splitlines()[-1] == "filler", run.stderr[-2000:]
-
-
-def constant_model(path: Path, outputs: dict[str, np.ndarray]) -> Path:
-    """An end_to_end ONNX model whose outputs are these constants, whatever the images."""
-    import numpy as np
-    import onnx
-    from onnx import helper, numpy_helper
-
-    image = helper.make_tensor_value_info("images", onnx.TensorProto.FLOAT, ["b", 3, "h", "w"])
-    nodes, declared = [], []
-    for name, value in outputs.items():
-        value = np.asarray(value)
-        nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(value, name)))
-        kind = onnx.TensorProto.INT64 if value.dtype == np.int64 else onnx.TensorProto.FLOAT
-        declared.append(helper.make_tensor_value_info(name, kind, ["n"] + [None] * (value.ndim - 1)))
-    graph = helper.make_graph(nodes, "constant", [image], declared)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
-    return path
 
 
 @pytest.mark.parametrize("case", ["outside the batch", "NaN box", "infinite score"])
