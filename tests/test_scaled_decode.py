@@ -1,7 +1,6 @@
 """Large JPEGs decoded at a reduced scale (preprocess.scaled_decode): the reduction chosen, the
 pixels it makes, and the same faces as a full decode, on the CPU (and the GPU)."""
 
-import io
 
 import numpy as np
 import pytest
