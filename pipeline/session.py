@@ -263,7 +263,7 @@ def open_session(model_path: Path, *, cuda_index: int | None, stream: int | None
                              f"dynamic outputs {', '.join(dynamic) or 'none'}. Use a heads model or "
                              "run.cuda_graph=false")
         cuda_options["enable_cuda_graph"] = "1"
-    providers = None
+    providers = ["CPUExecutionProvider"]  # a list, also on the CPU: None is _session's unoptimized probe
     if cuda_index is not None:
         ort.preload_dlls()  # the CUDA 13 / cuDNN 9 libraries torch's wheels brought
         providers = [("CUDAExecutionProvider", {"device_id": str(cuda_index), "user_compute_stream": str(stream),
