@@ -90,8 +90,11 @@ class Detector:
             config = load_config(config, extra)
         elif extra:
             raise ValueError("overrides apply to a config file; change a loaded Config with dataclasses.replace")
+        target = resolve_device(config.run.device)
+        if not target.is_cuda and config.run.cpu_batch_size != config.run.batch_size:
+            config = dataclasses.replace(config, run=dataclasses.replace(config.run,
+                                                                         batch_size=config.run.cpu_batch_size))
         m, p, q, r = config.model, config.preprocess, config.postprocess, config.run
-        target = resolve_device(r.device)
         engine = Engine(device=target, slots=r.pipeline_depth, oom_retry=r.oom_retry,
                         **engine_arguments(config, on_gpu=target.is_cuda))
         drop_started()  # a session start_early opened for another device or options, if any

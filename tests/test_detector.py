@@ -216,11 +216,11 @@ def test_a_detector_runs_one_stream_at_a_time_and_a_stopped_one_leaves_nothing_b
 
 def test_on_the_cpu_the_default_config_runs_a_short_batch_as_it_is():
     """run.batch_size fixes the model's batch dimension only for a CUDA graph: on the CPU a job's
-    short last batch (or a job of 6 images) runs as it is, not padded to 32 images of work."""
+    short last batch (or a job of 6 images) runs as it is, not padded to a batch of work."""
     from pipeline import Detector
 
     detector = Detector.from_config(device="cpu")
-    assert detector.batch_size == 32
+    assert detector.batch_size == 8
     assert detector.engine.image_input.batch is None and not detector.preprocessor.pad_partial_batches
     found = list(detector.run(str(SAMPLES)))
     assert len(found) == 6 and sum(len(r.scores) for r in found) == 3

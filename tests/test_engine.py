@@ -498,3 +498,11 @@ def test_the_cpu_session_runs_the_optimized_graph():
     detector = Detector.from_config(device="cpu")
     options = detector.engine.session.get_session_options()
     assert options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+
+
+def test_the_cpu_takes_its_own_batch_size_unless_one_is_given():
+    from pipeline import Detector
+
+    assert Detector.from_config(device="cpu").batch_size == 8  # run.cpu_batch_size
+    assert Detector.from_config(device="cpu", batch_size=32).batch_size == 32  # --batch-size sets both
+    assert Detector.from_config(device="cpu", overrides=["run.cpu_batch_size=3"]).batch_size == 3
