@@ -118,8 +118,7 @@ class RunConfig:
     batch_size: int = 32
     cpu_batch_size: int = 8
     """Images per batch on the CPU, where a smaller batch keeps the model's activations in the
-    caches (the default model: 84 images/s at 8, 73 at 32 on a 2-core machine, docs/BENCHMARKS.md).
-    --batch-size (the API's batch_size=) sets both."""
+    caches (docs/BENCHMARKS.md, "On a CPU"). --batch-size (the API's batch_size=) sets both."""
     device: str = "auto"
     """auto | cpu | cuda | cuda:N. cuda without a usable GPU is an error, never a silent fallback."""
     num_threads: int = 4

@@ -429,6 +429,31 @@ def first_run_cudnn_table() -> str:
     return "\n".join(lines)
 
 
+def cpu_table() -> str:
+    rows = [("before: the CPU session unoptimized, batch 32", "cpu/coco240_before"),
+            ("now: the optimized session, batch 8 (`run.cpu_batch_size`)", "cpu/coco240_now")]
+    lines = ["| tree | gpudet loop img/s (each pass) | model alone | DALI alone | naive | gpudet / naive | "
+             "240 images from the command |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for label, name in rows:
+        r = load(name)
+        rates = r["images_per_s"]
+        passes = ", ".join(num(p, 1) for p in r["gpudet_passes_images_per_s"])
+        lines.append(f"| {label} ({r['gpudet']['commit'][:7]}) | **{num(rates['gpudet'], 1)}** ({passes}) | "
+                     f"{num(rates['model'], 1)} | {num(rates['preprocess'], 1)} | {num(rates['naive'], 1)} | "
+                     f"**{r['ratios']['gpudet / naive']:.2f}x** | {r['job_wall_s']:.2f} s |")
+    r = load(rows[-1][1])
+    m = r["machine"]
+    fastest = max(load(name)["images_per_s"]["naive"] for _, name in rows)
+    lines += ["", f"The naive loop's rate moved between the two runs. Against the faster of its two runs, this "
+              f"tree's loop is {r['images_per_s']['gpudet'] / fastest:.2f}x.",
+              "", f"240 distinct COCO-sized JPEGs (`make_image_set.py --kind coco`, "
+              f"{r['megapixels_per_image']:.2f} MP each), the default config, {m['cpu']}, {m['cores']} cores, no GPU; "
+              f"torch {m['torch']}, onnxruntime {m['onnxruntime']}, DALI {m['dali']}; {r['date'][:10]}. Naive: "
+              f"{r['naive']['images']} images, batch {r['naive']['batch']}, {r['naive']['precision']}, PIL and numpy, "
+              f"one `session.run` each. Command: `{shorten(r['command'])}` (`scripts/cpu_check.sh`)."]
+    return "\n".join(lines)
+
+
 def shorten(command: str) -> str:
     return re.sub(r"--json \S+|/\S*/(?=\S+\.(txt|py))", "", command).replace("  ", " ").strip()
 
@@ -436,7 +461,7 @@ def shorten(command: str) -> str:
 SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "setup": setup_table, "retinanet": retinanet_table,
             "ray": ray_table, "formats": formats_table, "threads": threads_table,
             "first_run": first_run_table, "first_run_cudnn": first_run_cudnn_table, "first_command": first_command_table,
-            "omp": omp_table}
+            "omp": omp_table, "cpu": cpu_table}
 
 
 def render(text: str, sections: dict) -> str:
