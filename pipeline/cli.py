@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "config's)")
     detect.add_argument("--root", help="folder that relative paths in a file list resolve against "
                                        "(default: the list's folder)")
+    detect.add_argument("--score-threshold", type=float, metavar="T",
+                        help="keep detections scoring at least T (overrides postprocess.score_threshold; the embedded "
+                             "RetinaFace config's is 0.9, its reference's; for mAP give 0.01)")
+    detect.add_argument("--classes", metavar="NAMES", help="keep only these classes, names or label numbers separated "
+                                                           "by commas: person,car (overrides postprocess.classes)")
     detect.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override any config key, e.g. --set postprocess.score_threshold=0.5 (repeatable)")
     detect.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -158,7 +163,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
         raise ConfigError("--workers is the number of --ray actors; without --ray, use --devices for several "
                           "devices of this host")
     overrides = args.overrides + option_overrides(model=args.model, device=args.device, batch_size=args.batch_size,
-                                                  cli=True)
+                                                  cli=True) + detect_overrides(args)
     config = load_config(args.config, overrides, origin="--set")
     if args.devices is None and args.ray is None:  # --devices workers start their own (parallel._worker)
         with signals_held():
@@ -166,6 +171,19 @@ def cmd_detect(args: argparse.Namespace) -> int:
         with started_early(config):  # the model's first GPU run beside the imports below
             return _detect(args, config)
     return _detect(args, config)
+
+
+def detect_overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The `--set` overrides --score-threshold and --classes stand for, paired with the option as given."""
+    overrides = []
+    if args.score_threshold is not None:
+        overrides.append((f"--score-threshold {args.score_threshold}",
+                          f"postprocess.score_threshold={args.score_threshold!r}"))
+    if args.classes is not None:
+        names = [c.strip() for c in args.classes.split(",") if c.strip()]
+        listed = ", ".join(name if name.isdigit() else json.dumps(name) for name in names)
+        overrides.append((f"--classes {args.classes}", f"postprocess.classes=[{listed}]"))
+    return overrides
 
 
 def _detect(args: argparse.Namespace, config: Config) -> int:
@@ -247,7 +265,9 @@ def summary_table(s: dict) -> str:
                      f"{w['failed']} failed, {w['images_per_s'] or '-'} img/s, exit {w['exit_code']}"
                      + (f" (restarted after {', '.join(map(str, died))})" if died else ""))
     if s.get("skipped_not_images"):
-        lines.append(f"        skipped: {counted(s['skipped_not_images'], 'file')} of the folder that are no images")
+        many = s["skipped_not_images"] != 1
+        lines.append(f"        skipped: {counted(s['skipped_not_images'], 'file')} of the folder that "
+                     f"{'are no images' if many else 'is no image'} (--log-level INFO names them)")
     if s["failed_by_reason"]:
         lines.append("        failed: " + ", ".join(f"{k} {v}" for k, v in sorted(s["failed_by_reason"].items())))
     lines.append(f"        results in {s['results']}" +

@@ -9,6 +9,7 @@ stages themselves take plain keyword arguments.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -104,6 +105,9 @@ class PostprocessConfig:
     iou_threshold: float = 0.4
     max_detections: int = 750
     """Per image, highest scores first."""
+    classes: tuple[str | int, ...] = ()
+    """Keep only detections of these classes: names of model.labels, or label numbers (empty:
+    every class). Applied to each image's final detections, after NMS and max_detections."""
     pre_nms_top_k: int = 1000
     """ssd_heads: candidates per image that enter NMS (best scores above the threshold)."""
     compile: bool = False
@@ -160,6 +164,21 @@ class RunConfig:
     process cannot continue, nothing is lost since results are flushed per batch) is started again
     on its images not yet recorded, up to this many times, while each run records something. A
     worker that exits with an error of gpudet's (a bad config, model or device) is not restarted."""
+
+
+def class_numbers(classes: tuple, labels: tuple[str, ...], *, where: str = "postprocess.classes") -> tuple[int, ...]:
+    """The label numbers of `classes` (names of `labels`, or numbers)."""
+    numbers = []
+    for value in classes:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            numbers.append(value)
+        elif isinstance(value, str) and value in labels:
+            numbers.append(labels.index(value))
+        else:
+            named = f"the model's are {', '.join(labels[:20])}{', ...' if len(labels) > 20 else ''}" if labels \
+                else "model.labels names none"
+            raise ConfigError(f"{where}: {shown(value)} is not a class ({named}); give class names or label numbers")
+    return tuple(sorted(set(numbers)))
 
 
 def check_thresholds(score_threshold: float, iou_threshold: float, max_detections: int, *, where: str = "") -> None:
@@ -266,8 +285,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if origin in (types.UnionType, typing.Union):
         if value is None and type(None) in typing.get_args(hint):
             return None
-        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _coerce(key, value, inner)
+        inners = [a for a in typing.get_args(hint) if a is not type(None)]
+        for inner in inners[:-1]:  # str | int: the first that takes the value
+            with contextlib.suppress(ConfigError):
+                return _coerce(key, value, inner)
+        return _coerce(key, value, inners[-1])
     if origin is tuple:
         item = typing.get_args(hint)[0]
         if not isinstance(value, (list, tuple)):
@@ -454,13 +476,14 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str | tuple[
     config = Config(**{name: kind(**sections[name]) for name, kind in SECTIONS.items()}, source_file=str(path))
     try:
         config.validate()
+        if path == builtin_config() and "model.path" in set_by:
+            config = taken_from_the_model(config, set_by)
+        class_numbers(config.postprocess.classes, config.model.labels)  # the model's names, where it gives them
     except ConfigError as e:
         key = str(e).split(":", 1)[0]
         if key in set_by:
             raise ConfigError(f"{set_by[key]}: {e}") from None
         raise
-    if path == builtin_config() and "model.path" in set_by:
-        return taken_from_the_model(config, set_by)
     return config
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import Config, check_thresholds, load_config, option_overrides
+from .config import Config, check_thresholds, class_numbers, load_config, option_overrides
 from .device import Device, free_bytes, resolve_device
 from .contracts import Contract, recognise
 from .engine import ORT_TO_TORCH, Engine, Launched
@@ -122,7 +122,8 @@ class Detector:
             # On the GPU a new batch shape costs a cuDNN search; a static-batch model takes no other.
             pad_partial_batches=target.is_cuda or image.batch is not None)
         return cls(engine=engine, preprocessor=preprocessor, postprocess=postprocess, contract=contract.name,
-                   thresholds=Thresholds(q.score_threshold, q.iou_threshold, q.max_detections), labels=m.labels,
+                   thresholds=Thresholds(q.score_threshold, q.iou_threshold, q.max_detections,
+                                         class_numbers(q.classes, m.labels)), labels=m.labels,
                    num_threads=r.num_threads, decode_threads=r.decode_threads or os.cpu_count() or 4,
                    max_pixels=p.max_pixels,
                    max_file_bytes=p.max_file_mb << 20, max_batch_pixels=p.max_batch_pixels,
@@ -219,11 +220,12 @@ class Detector:
             raise ConfigError(f"iou_threshold: {self.model_path.name} runs its own NMS at an IoU of its own (it has "
                               "no iou_threshold input); leave iou_threshold unset for this model")
         self.engine.submit(self.engine.bind_scalars, dataclasses.asdict(thresholds)).result()
-        if thresholds in self._captured:  # most recently used last, as GraphCache orders them
-            self._captured.remove(thresholds)
-            self._captured.append(thresholds)
+        captured = thresholds.captured()
+        if captured in self._captured:  # most recently used last, as GraphCache orders them
+            self._captured.remove(captured)
+            self._captured.append(captured)
         else:
-            self._warm_up_postprocess(thresholds)
+            self._warm_up_postprocess(captured)
         return thresholds
 
     def _model(self, batch: PreprocessedBatch, slot: int, reader: Future | None, clock: StageClock) -> Launched:
@@ -261,6 +263,8 @@ class Detector:
                 torch.cuda.current_stream(self.device.torch).synchronize()
         else:
             found = found.to_host()  # the batch's one device-to-host copy
+        if thresholds.classes:
+            found = found.of_classes(thresholds.classes)
         seconds = launched.seconds()
         if seconds is not None:
             clock.add("engine_gpu", seconds)
@@ -319,7 +323,7 @@ class Detector:
 
     def run(self, source, *, root: str | None = None, score_threshold: float | None = None,
             iou_threshold: float | None = None, max_detections: int | None = None,
-            on_device: bool = False) -> Iterator[ImageResult | ImageError]:
+            classes: Iterable[str | int] | None = None, on_device: bool = False) -> Iterator[ImageResult | ImageError]:
         """Per-image results, in input order; an image that cannot be processed comes as an
         ImageError in its place, never as an exception.
 
@@ -329,10 +333,14 @@ class Detector:
         tensor), a PIL image, uint8 RGB pixels as a numpy array [H, W, 3] or a torch tensor
         [H, W, 3] or [3, H, W], on the CPU or on the detector's GPU (handed to DALI there, with no
         host copy). score_threshold, iou_threshold, max_detections: this run's, instead of the
-        config's (no new session). on_device: the results' arrays as torch tensors on the device."""
+        config's (no new session). classes: keep only these classes (names of model.labels, or label
+        numbers), instead of the config's postprocess.classes. on_device: the results' arrays as
+        torch tensors on the device."""
         keep = dataclasses.replace(self.thresholds, **{k: v for k, v in (
             ("score_threshold", score_threshold), ("iou_threshold", iou_threshold),
             ("max_detections", max_detections)) if v is not None})
+        if classes is not None:
+            keep = dataclasses.replace(keep, classes=class_numbers(tuple(classes), self.labels, where="classes="))
         failed: list[tuple[int, ImageError]] = []  # a heap by index: the checks run ahead of the results
 
         def on_error(errors: list[ImageError]) -> None:

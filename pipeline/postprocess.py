@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,11 +34,18 @@ log = logging.getLogger("gpudet")
 class Thresholds:
     """What the postprocess keeps, per image: detections scoring at least `score_threshold`
     (the heads contracts: above it, as their references do), after NMS at `iou_threshold`, at
-    most `max_detections`, best first."""
+    most `max_detections`, best first; of those, the `classes` (label numbers) only, where given."""
 
     score_threshold: float
     iou_threshold: float
     max_detections: int
+    classes: tuple[int, ...] = ()
+    """Label numbers to keep (empty: every class): the final detections of other classes are
+    dropped, after NMS and max_detections."""
+
+    def captured(self) -> Thresholds:
+        """What the postprocess's captured CUDA graphs depend on (the class filter runs after them)."""
+        return dataclasses.replace(self, classes=())
 
 
 def image_meta(scale_yx: np.ndarray, pad_yx: np.ndarray, orig_hw: np.ndarray,
@@ -61,6 +69,13 @@ class DeviceDetections:
 
     def on_device(self) -> DeviceDetections:
         return self
+
+    def of_classes(self, classes: tuple[int, ...]) -> DeviceDetections:
+        """The rows of these labels only."""
+        rows = torch.isin(self.labels, torch.tensor(classes, dtype=self.labels.dtype, device=self.labels.device))
+        return DeviceDetections(batch_index=self.batch_index[rows], boxes_xyxy=self.boxes_xyxy[rows],
+                                scores=self.scores[rows], labels=self.labels[rows],
+                                landmarks=None if self.landmarks is None else self.landmarks[rows])
 
     def bad_images(self) -> list[int]:
         """As Detections.bad_images (one host sync)."""

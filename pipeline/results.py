@@ -72,6 +72,13 @@ class Detections:
                           scores=self.scores[rows], labels=self.labels[rows],
                           landmarks=None if self.landmarks is None else self.landmarks[rows])
 
+    def of_classes(self, classes: tuple[int, ...]) -> Detections:
+        """The rows of these labels only."""
+        rows = np.isin(self.labels, classes)
+        return Detections(batch_index=self.batch_index[rows], boxes_xyxy=self.boxes_xyxy[rows],
+                          scores=self.scores[rows], labels=self.labels[rows],
+                          landmarks=None if self.landmarks is None else self.landmarks[rows])
+
     def per_image(self, count: int) -> list[Detections]:
         """The rows of images 0..count-1, each as its own Detections (batch_index 0)."""
         ends = np.searchsorted(self.batch_index, np.arange(1, count + 1), side="left").tolist()

@@ -81,7 +81,7 @@ def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = N
         if skipped is not None:
             skipped += others
         if others:
-            log.warning("%s", not_images_line(text, others))
+            log.info("%s", not_images_line(text, others))
         what = (f"folder {text} holds no image file (none named {', '.join(sorted(IMAGE_EXTENSIONS))}, and none "
                 "that starts as an image; searched recursively)")
     elif is_list:
@@ -195,8 +195,10 @@ def not_images_line(folder: str, skipped: list[Path]) -> str:
     """One line on the files of a folder source that are no images, by kind (their extensions)."""
     kinds = Counter(p.suffix.lower() or "no extension" for p in skipped)
     shown = ", ".join(f"{kind} {n}" for kind, n in kinds.most_common(5)) + (", ..." if len(kinds) > 5 else "")
-    return (f"folder {folder}: {len(skipped)} file{'s' if len(skipped) != 1 else ''} that are no images of a format "
-            f"gpudet reads ({shown}; by their first bytes) are skipped, e.g. {skipped[0]}")
+    many = len(skipped) != 1
+    return (f"folder {folder}: {len(skipped)} file{'s' if many else ''} that {'are no images' if many else 'is no image'} "
+            f"of a format gpudet reads ({shown}; by their first bytes) {'are' if many else 'is'} skipped, e.g. "
+            f"{skipped[0]}")
 
 
 def read_list(path: Path, base: Path) -> list[ImageRef]:

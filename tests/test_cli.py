@@ -260,3 +260,38 @@ def test_inspect_finds_a_bundled_model_by_its_name_as_detect_does(tmp_path, monk
     assert main(["inspect", "retinaface_mnet025.onnx", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["path"] == str(ROOT / "models" / "retinaface_mnet025.onnx")
     assert main(["inspect", "nothere.onnx"]) == 2
+
+
+def test_classes_and_score_threshold_options_keep_what_they_say(tmp_path):
+    """--classes by name or number and --score-threshold, on a model of two classes; the API's
+    run(classes=) alike; a class the model does not name is one line, exit 2."""
+    import numpy as np
+
+    from conftest import constant_model, gpudet, one_clear_line
+    from pipeline import Detector
+
+    model = constant_model(tmp_path / "two.onnx", {
+        "boxes": np.array([[4, 4, 40, 40], [50, 50, 90, 90], [10, 60, 30, 90]], np.float32),
+        "scores": np.array([0.95, 0.9, 0.6], np.float32), "batch_index": np.array([0, 0, 0], np.int64),
+        "labels": np.array([0, 1, 1], np.int64)}, metadata={"names": "{0: 'person', 1: 'car'}"})
+    image = SAMPLES / "astronaut.png"
+
+    def names(*options) -> list[str]:
+        out = tmp_path / f"o{len(list(tmp_path.iterdir()))}"
+        run = gpudet("detect", image, "--out", out, "--model", model, "--device", "cpu", "--set", "model.landmarks=0",
+                     *options)
+        assert run.returncode == 0, run.stderr
+        (record,) = read_jsonl(out / "detections.jsonl")
+        return [d["name"] for d in record["detections"]]
+
+    assert names("--score-threshold", "0.5") == ["person", "car", "car"]
+    assert names("--score-threshold", "0.5", "--classes", "car") == ["car", "car"]
+    assert names("--classes", "0") == ["person"]  # at the default threshold, 0.9
+    assert names("--classes", "person,1", "--score-threshold", "0.91") == ["person"]
+    one_clear_line(gpudet("detect", image, "--out", tmp_path / "x", "--model", model, "--device", "cpu",
+                          "--classes", "bus"), 2, "--classes bus: postprocess.classes: 'bus' is not a class (the model's "
+                                                  "are person, car)")
+    assert not (tmp_path / "x").exists()
+    detector = Detector.from_config(device="cpu", model=str(model), overrides=["model.landmarks=0"])
+    (result,) = detector.run(str(image), classes=["car"], score_threshold=0.5)
+    assert result.names == ["car", "car"] and list(result.labels) == [1, 1]

@@ -273,10 +273,10 @@ def test_a_folders_files_that_are_no_images_are_counted_in_the_summary_and_named
     (src / "a").write_bytes((SAMPLES / "grace_hopper.jpg").read_bytes())
     for name in ("notes.txt", "b.json", "c.txt"):
         (src / name).write_text("{}")
-    run = gpudet("detect", src, "--out", tmp_path / "o", "--device", "cpu", "--no-progress")
+    run = gpudet("detect", src, "--out", tmp_path / "o", "--device", "cpu", "--no-progress", "--log-level", "INFO")
     assert run.returncode == 0, run.stderr
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert summary["images"] == 1 and summary["processed"] == 1 and summary["skipped_not_images"] == 3
-    assert "skipped: 3 files of the folder that are no images" in run.stdout
+    assert "skipped: 3 files of the folder that are no images (--log-level INFO names them)" in run.stdout
     assert f"folder {src}: 3 files that are no images of a format gpudet reads (.txt 2, .json 1; by their first " \
            "bytes) are skipped, e.g. " in run.stderr, run.stderr
