@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     detect.add_argument("--score-threshold", type=float, metavar="T",
                         help="keep detections scoring at least T (overrides postprocess.score_threshold; the embedded "
                              "RetinaFace config's is 0.9, its reference's; for mAP give 0.01)")
+    detect.add_argument("--save-drawings", metavar="DIR",
+                        help="also draw the detections onto each image into DIR once the run ends (as gpudet draw)")
     detect.add_argument("--classes", metavar="NAMES", help="keep only these classes, names or label numbers separated "
                                                            "by commas: person,car (overrides postprocess.classes)")
     detect.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -103,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export-coco", parents=[common, coco],
                                  help="write a COCO results file mapped onto an annotation file's ids")
     export.add_argument("--out", required=True, help="COCO results JSON to write")
+    export_to = commands.add_parser("export", parents=[common], help="records as CSV (one row per detection) or "
+                                                                     "YOLO label files (one per image)")
+    export_to.add_argument("detections", help="what gpudet detect wrote: detections.jsonl, detections.parquet or "
+                                              "the output folder")
+    export_to.add_argument("--format", dest="export_format", choices=("csv", "yolo"), required=True,
+                           help="csv: a file, one row per detection; yolo: a folder of <image stem>.txt, a line "
+                                "per detection: label cx cy w h score, over the image's size")
+    export_to.add_argument("--out", required=True, help="the CSV file, or the folder of label files, to write")
     evaluate = commands.add_parser("eval", parents=[common, coco], help="COCO bbox metrics of gpudet detect's results")
     evaluate.add_argument("--out", help="also write the metrics as JSON here")
 
@@ -223,6 +233,9 @@ def _detect(args: argparse.Namespace, config: Config) -> int:
         log.error("interrupted; results so far are complete; continue with --resume")
     if not args.quiet:
         say(summary_table(s))
+    if args.save_drawings and not s["interrupted"]:
+        return max(result.exit_code, draw_into(s["results"], args.save_drawings, root=None, limit=None, min_score=0.0,
+                                               image_format="jpg", quiet=args.quiet))
     return result.exit_code
 
 
@@ -372,26 +385,49 @@ def recorded_threshold(detections: str) -> float | None:
 
 
 def cmd_draw(args: argparse.Namespace) -> int:
+    return draw_into(args.detections, args.out, root=args.root, limit=args.limit, min_score=args.min_score,
+                     image_format=args.image_format, quiet=args.quiet)
+
+
+def draw_into(detections: str, out_dir: str, *, root: str | None, limit: int | None, min_score: float,
+              image_format: str, quiet: bool) -> int:
+    """gpudet draw (and detect --save-drawings): the records of `detections` drawn into out_dir;
+    exit 3 where an image could not be drawn."""
     from .coco import read_detections
     from .draw import draw_records, recorded_root
     from .folder import make_folder
 
-    out = Path(args.out)
-    records = read_detections(args.detections)
+    out = Path(out_dir)
+    records = read_detections(detections)
     make_folder(out)
-    root = args.root if args.root is not None else recorded_root(args.detections)
+    root = root if root is not None else recorded_root(detections)
     try:
-        written, skipped = draw_records(records, out, root=root, limit=args.limit, min_score=args.min_score,
-                                        image_format=args.image_format)
+        written, skipped = draw_records(records, out, root=root, limit=limit, min_score=min_score,
+                                        image_format=image_format)
     except OSError as e:  # writing a drawing (reading an image is a skip): the disk full, a file size limit
         raise OutputWriteError(e.filename or out, e, "the drawings before it are written; make room, or give "
                                                      "--out a folder gpudet may write") from None
     for line in skipped:
         log.warning("not drawn: %s", line)
-    if not args.quiet:
-        say(f"gpudet: {counted(len(written), 'image')} drawn into {args.out}" +
+    if not quiet:
+        say(f"gpudet: {counted(len(written), 'image')} drawn into {out_dir}" +
             (f"; {len(skipped)} skipped (listed above; --root if the paths are relative)" if skipped else ""))
     return EXIT_SOME_FAILED if skipped else EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .coco import read_detections
+    from .export import write_csv, write_yolo
+
+    out = output_file(args.out, "--out") if args.export_format == "csv" else Path(args.out)
+    records = read_detections(args.detections)
+    try:
+        images, found = (write_csv if args.export_format == "csv" else write_yolo)(records, out)
+    except OSError as e:
+        raise OutputWriteError(e.filename or out, e, "give --out a path gpudet may write, or make room") from None
+    if not args.quiet:
+        say(f"gpudet: {counted(found, 'detection')} of {counted(images, 'image')} written to {out}")
+    return EXIT_OK
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -449,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                                   + expanded_glob_hint(args, unknown))
     args.argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging(args.log_level, args.log_json, args.quiet)
-    commands = {"detect": cmd_detect, "export-coco": cmd_export_coco, "eval": cmd_eval, "draw": cmd_draw,
+    commands = {"detect": cmd_detect, "export": cmd_export, "export-coco": cmd_export_coco, "eval": cmd_eval, "draw": cmd_draw,
                 "inspect": cmd_inspect, "bench": cmd_bench}
     code = guarded(lambda: commands[args.command](args))
     return end_command(code, exit_process=argv is None)  # argv None: this process is the command

@@ -27,6 +27,8 @@ SETTINGS = "settings.json"
 LOCK = ".gpudet.lock"
 SHARDS = ".gpudet-shards"
 DRAWINGS_MARKER = ".gpudet-drawings"
+EXPORT_MARKER = ".gpudet-labels"
+"""The mark of a folder of YOLO label files gpudet export wrote: it writes again only there."""
 DETECTIONS = {"jsonl": "detections.jsonl", "parquet": "detections.parquet"}
 """The processed images' file in each output format (--format); JSONL is the default."""
 ERRORS = "errors.jsonl"

@@ -169,6 +169,22 @@ class ImageResult:
             raise ImportError("result.to_pandas() needs pandas: pip install pandas") from None
         return detection_frame([self.to_dict()], pandas)
 
+    def to_supervision(self):
+        """The detections as supervision's `sv.Detections` (xyxy, confidence, class_id, and the
+        class names in data["class_name"]), for its annotators, trackers and zones."""
+        try:
+            import supervision
+        except ImportError:
+            raise ImportError("result.to_supervision() needs supervision: pip install supervision") from None
+
+        def host(a):
+            return a.cpu().numpy() if hasattr(a, "cpu") else a
+
+        return supervision.Detections(xyxy=host(self.boxes_xyxy).astype(np.float32),
+                                      confidence=host(self.scores).astype(np.float32),
+                                      class_id=host(self.labels).astype(int),
+                                      data={"class_name": np.array(self.names, dtype=str)})
+
     def draw(self, image=None, *, min_score: float = 0.0):
         """A PIL image of the detections drawn onto `image` (a path, a PIL image or RGB pixels;
         default: the file at `path`), in display orientation, as the boxes are. An image given to

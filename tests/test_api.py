@@ -342,6 +342,12 @@ def test_result_boxes_in_the_forms_other_tools_take_and_as_a_table():
     assert len(table) == 1 and table.name[0] == "face" and len(table.landmarks[0]) == 5
     (on_device,) = detector.run(str(SAMPLES / "astronaut.png"), on_device=True)
     assert np.allclose(on_device.xywhn.cpu().numpy(), result.xywhn, atol=1e-6)
+    import supervision as sv
+
+    for found in (result.to_supervision(), on_device.to_supervision()):
+        assert isinstance(found, sv.Detections) and len(found) == 1
+        assert np.allclose(found.xyxy, result.boxes_xyxy) and list(found.data["class_name"]) == ["face"]
+        assert found.class_id.tolist() == [0] and np.allclose(found.confidence, result.scores)
 
 
 def test_draw_asks_for_an_image_given_in_memory_and_refuses_one_of_another_size():

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from pipeline.cli import main
-from pipeline.coco import METRICS, ImageMatcher, evaluate, to_coco_results
+from pipeline.coco import METRICS, ImageMatcher, evaluate, read_detections, to_coco_results
 from pipeline.draw import safe_stem
 
 from conftest import SAMPLES
@@ -300,3 +300,42 @@ def test_a_drawing_that_cannot_be_written_is_exit_4_in_one_line(labelled, tmp_pa
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert main(["draw", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "new"), "--quiet"]) == 2
     assert not (tmp_path / "new").exists()
+
+
+def test_export_writes_csv_rows_and_yolo_label_files_from_the_records(labelled, tmp_path, capsys):
+    import csv
+
+    out = labelled / "out"
+    records = {Path(r["path"]).stem: r for r in read_detections(out)}
+    assert main(["export", str(out), "--format", "csv", "--out", str(tmp_path / "d.csv")]) == 0
+    rows = list(csv.DictReader((tmp_path / "d.csv").open()))
+    assert sorted(Path(r["path"]).stem for r in rows) == ["a", "b", "c", "d"]  # three faces, and d with none
+    by_stem = {Path(r["path"]).stem: r for r in rows}
+    assert by_stem["d"]["x1"] == "" and by_stem["d"]["width"] == "640"  # an image with no detection: one row
+    a = records["a"]["detections"][0]
+    assert [float(by_stem["a"][k]) for k in ("x1", "y1", "x2", "y2", "score")] == [*a["box"], a["score"]]
+    assert by_stem["a"]["name"] == a["name"] and by_stem["a"]["label"] == str(a["label"])
+
+    assert main(["export", str(out), "--format", "yolo", "--out", str(tmp_path / "labels")]) == 0
+    assert sorted(p.name for p in (tmp_path / "labels").glob("*.txt")) == ["a.txt", "b.txt", "c.txt", "d.txt"]
+    assert (tmp_path / "labels" / "d.txt").read_text() == ""
+    label, cx, cy, w, h, score = (tmp_path / "labels" / "a.txt").read_text().split()
+    x1, y1, x2, y2 = a["box"]
+    assert label == "0" and abs(float(cx) - (x1 + x2) / 2 / 900) < 1e-5 and abs(float(h) - (y2 - y1) / 1100) < 1e-5
+    assert abs(float(score) - a["score"]) < 1e-5
+    assert main(["export", str(out), "--format", "yolo", "--out", str(tmp_path / "labels")]) == 0  # its own folder
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "a.txt").write_text("my labels")
+    capsys.readouterr()
+    assert main(["export", str(out), "--format", "yolo", "--out", str(tmp_path / "mine")]) == 2
+    assert "holds files gpudet did not write" in capsys.readouterr().err
+    assert (tmp_path / "mine" / "a.txt").read_text() == "my labels"
+
+
+def test_detect_save_drawings_draws_each_image_once_the_run_ends(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "pipeline", "detect", str(SAMPLES), "--out", str(tmp_path / "o"),
+                          "--device", "cpu", "--save-drawings", str(tmp_path / "vis")], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    drawn = sorted(p.name for p in (tmp_path / "vis").glob("*.jpg"))
+    assert len(drawn) == 6 and drawn[0] == "00000000_astronaut.jpg" and "6 images drawn into" in run.stdout
