@@ -451,7 +451,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str | tuple[
     overrides: 'section.key=value' strings, or (what the user wrote, 'section.key=value') pairs, as
     for the CLI's --batch-size; an error about a key an override set names that override: origin
     and the string (origin: the API's overrides, the CLI's --set), or what the user wrote."""
-    path = config_file(path)
+    given, path = path, config_file(path)
     try:
         if path.stat().st_size > MAX_CONFIG_BYTES:
             raise ConfigError(f"{path}: {path.stat().st_size:,} bytes, over the {MAX_CONFIG_BYTES:,} a config may "
@@ -476,7 +476,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str | tuple[
     config = Config(**{name: kind(**sections[name]) for name, kind in SECTIONS.items()}, source_file=str(path))
     try:
         config.validate()
-        if path == builtin_config() and "model.path" in set_by:
+        if given is None and "model.path" in set_by:  # a model without a config of its own
             config = taken_from_the_model(config, set_by)
         class_numbers(config.postprocess.classes, config.model.labels)  # the model's names, where it gives them
     except ConfigError as e:
@@ -494,7 +494,7 @@ GUESSED = {"preprocess.channel_order": "RGB", "preprocess.mean": (0.0, 0.0, 0.0)
 
 
 def taken_from_the_model(config: Config, set_by: dict[str, str]) -> Config:
-    """A model given without a config of its own (--model, or model= with the embedded config):
+    """A model given without a config of its own (--model, or model=, and no config named):
     the embedded config's settings are RetinaFace's, so what the model declares replaces them (its
     input size where it is fixed, its class names from its metadata: `names` as Ultralytics writes
     it, or `labels`), and what it cannot declare is guessed (GUESSED), with one warning naming the

@@ -290,7 +290,8 @@ def test_per_call_thresholds_are_checked(tmp_path):
     model.graph.input.remove(graph_input)
     model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([0.4], np.float32), "iou_threshold"))
     onnx.save(model, tmp_path / "fixed_iou.onnx")
-    fixed = Detector.from_config(device="cpu", model=str(tmp_path / "fixed_iou.onnx"), batch_size=2)
+    fixed = Detector.from_config("retinaface_mnet025", device="cpu", model=str(tmp_path / "fixed_iou.onnx"),
+                                 batch_size=2)  # RetinaFace's config, named: its channel order and mean
     with pytest.raises(ConfigError, match="no iou_threshold input"):
         next(fixed.run(str(SAMPLES), iou_threshold=0.6))
     assert sum(len(r.scores) for r in fixed.run(str(SAMPLES), score_threshold=0.5)) >= 3
