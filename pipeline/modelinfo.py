@@ -89,9 +89,10 @@ def inspect_model(path: str | Path, *, size_hw: tuple[int, int] | None = (640, 6
                              "anchors_per_cell": len(layout["cell_anchors"][0]),
                              "classes": layout["num_classes"], "topk_per_level": layout["topk_candidates"]}
     try:
-        contract = recognise(outputs, "auto", path)
+        metadata = {p.key: p.value for p in model.metadata_props}
+        contract = recognise(outputs, "auto", path, metadata)
         info["contract"] = contract.name
-        info["recognised_by"] = "its outputs " + ", ".join(f"{n} (rank {r})" for n, r in contract.outputs.items())
+        info["recognised_by"] = contract.why(outputs, metadata)
     except ModelError as e:
         info["contract"] = f"none: {e}"
     if cuda_problem(0) is None and isinstance(info["image_input"], dict):

@@ -134,3 +134,33 @@ def constant_model(path: Path, outputs: dict, *, metadata: dict[str, str] | None
         model.metadata_props.add(key=key, value=value)
     onnx.save(model, str(path))
     return path
+
+
+def batched_constant_model(path: Path, outputs: dict, *, input_shape: list | None = None,
+                           metadata: dict[str, str] | None = None) -> Path:
+    """An ONNX model whose outputs are these constants (given without the batch dimension) for each
+    image of the batch: output [B, *value.shape]."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    image = helper.make_tensor_value_info("images", onnx.TensorProto.FLOAT, input_shape or ["b", 3, "h", "w"])
+    nodes = [helper.make_node("Shape", ["images"], ["shape"]),
+             helper.make_node("Slice", ["shape", "zero", "one"], ["batch"])]
+    initializers = [numpy_helper.from_array(np.array([0], np.int64), "zero"),
+                    numpy_helper.from_array(np.array([1], np.int64), "one")]
+    declared = []
+    for name, value in outputs.items():
+        value = np.asarray(value)
+        kind = onnx.TensorProto.INT64 if value.dtype == np.int64 else onnx.TensorProto.FLOAT
+        initializers += [numpy_helper.from_array(value[None], f"{name}_value"),
+                         numpy_helper.from_array(np.array(value.shape, np.int64), f"{name}_dims")]
+        nodes += [helper.make_node("Concat", ["batch", f"{name}_dims"], [f"{name}_shape"], axis=0),
+                  helper.make_node("Expand", [f"{name}_value", f"{name}_shape"], [name])]
+        declared.append(helper.make_tensor_value_info(name, kind, ["b", *value.shape]))
+    graph = helper.make_graph(nodes, "batched_constant", [image], declared, initializer=initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    for key, value in (metadata or {}).items():
+        model.metadata_props.add(key=key, value=value)
+    onnx.save(model, str(path))
+    return path

@@ -66,10 +66,11 @@ def test_contract_detection_lists_found_and_expected(tmp_path):
     good = [TensorSpec("boxes", "tensor(float)", ("N", 4)), TensorSpec("scores", "tensor(float)", ("N",)),
             TensorSpec("batch_index", "tensor(int64)", ("N",))]
     assert recognise(good, "auto", tmp_path / "m.onnx").name == "end_to_end"
-    bad = [TensorSpec("cls_logits", "tensor(float)", (1, 100, 80)), TensorSpec("bbox", "tensor(float)", (1, 100, 4))]
+    bad = [TensorSpec("cls_logits", "tensor(float)", (1, 120087, 80)),
+           TensorSpec("bbox", "tensor(float)", (1, 120087, 4))]  # RetinaNet's heads, one misnamed
     with pytest.raises(ModelError) as info:
         recognise(bad, "auto", tmp_path / "m.onnx")
-    assert "cls_logits float [1, 100, 80]" in str(info.value) and "boxes (rank 2)" in str(info.value)
+    assert "cls_logits float [1, 120087, 80]" in str(info.value) and "boxes (rank 2)" in str(info.value)
 
 
 @cpu_and_cuda()

@@ -1,16 +1,19 @@
 """Model contracts: how a model's outputs become detections. One class per contract, one module
 per class in this package:
 
-    end_to_end       NMS in the model's graph: boxes [N, 4], scores [N], batch_index [N]
-    ssd_heads        raw SSD heads against anchors (RetinaFace): loc, conf, landmarks
-    retinanet_heads  torchvision RetinaNet's heads: cls_logits, bbox_regression
+    end_to_end         NMS in the model's graph: boxes [N, 4], scores [N], batch_index [N]
+    ssd_heads          raw SSD heads against anchors (RetinaFace): loc, conf, landmarks
+    retinanet_heads    torchvision RetinaNet's heads: cls_logits, bbox_regression
+    padded_end_to_end  NMS in the graph, padded per image: [B, M, 6] (YOLO exported with NMS)
+    set_prediction     DETR-family queries: logits [B, Q, K], pred_boxes [B, Q, 4]
+    anchor_free        YOLO-family heads: [B, 4+K, N] or [B, N, 5+K]
 
-A contract declares the outputs it reads (name -> rank), builds its postprocess from the model and
-the config (`from_config`: the one place config becomes its arguments), and is called as every
-postprocess is: `postprocess(outputs, meta, num_images=, thresholds=)` (postprocess.py). A module
-added here is a contract gpudet knows (model.contract: its `name`); one of your own is
-model.contract: `package.module:Class`, importable wherever the detector runs (--devices workers
-and Ray actors too).
+A contract declares the outputs it reads (name -> rank; or `fits` on shapes and metadata), builds
+its postprocess from the model and the config (`from_config`: the one place config becomes its
+arguments), and is called as every postprocess is: `postprocess(outputs, meta, num_images=,
+thresholds=)` (postprocess.py). A module added here is a contract gpudet knows (model.contract: its
+`name`); one of your own is model.contract: `package.module:Class`, importable wherever the
+detector runs (--devices workers and Ray actors too).
 """
 
 from __future__ import annotations
@@ -45,10 +48,16 @@ class Contract:
     """NMS is in the model: its IoU threshold is the model's own, unless the model takes it as an input."""
 
     @classmethod
-    def fits(cls, outputs: list[TensorSpec]) -> bool:
+    def fits(cls, outputs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bool:
+        """Whether a model of these outputs (and metadata_props) follows this contract."""
         by_name = {s.name: s for s in outputs}
         return all(n in by_name and len(by_name[n].shape) == r for n, r in cls.outputs.items()) and all(
             len(by_name[n].shape) == r for n, r in cls.optional.items() if n in by_name)
+
+    @classmethod
+    def why(cls, outputs: list[TensorSpec], metadata: dict[str, str] | None = None) -> str:
+        """What `fits` recognised it by, for gpudet inspect."""
+        return "its outputs " + ", ".join(f"{n} (rank {r})" for n, r in cls.outputs.items())
 
     @classmethod
     def expected(cls) -> str:
@@ -104,13 +113,15 @@ def named(name: str) -> type[Contract] | None:
     return by_name[name]
 
 
-def recognise(outputs: list[TensorSpec], requested: str, model_path: Path) -> type[Contract]:
-    """The contract the model's outputs follow: model.contract's if it fits, else the first of
-    `known()` that does (auto). ModelError listing the outputs and what was expected otherwise."""
+def recognise(outputs: list[TensorSpec], requested: str, model_path: Path,
+              metadata: dict[str, str] | None = None) -> type[Contract]:
+    """The contract the model's outputs (and metadata_props) follow: model.contract's if it fits,
+    else the first of `known()` that does (auto). ModelError listing the outputs and what was
+    expected otherwise."""
     wanted = named(requested)
     candidates = [wanted] if wanted is not None else known()
     for contract in candidates:
-        if contract.fits(outputs):
+        if contract.fits(outputs, metadata or {}):
             return contract
     raise ModelError(f"{model_path}: outputs do not fit the {requested} contract. Found: {describe_io(outputs)}. "
                      f"Expected {'; '.join(c.expected() for c in candidates)}.")

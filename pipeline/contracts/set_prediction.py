@@ -1,0 +1,101 @@
+"""set_prediction: DETR-family models (RT-DETR, DETR, D-FINE, ...), which predict a set of
+queries and need no NMS:
+
+    logits      [B, Q, K]   per query and class (DETR: K includes its last, "no object" class)
+    pred_boxes  [B, Q, 4]   centre x, centre y, width, height over the model input's width and height
+
+Recognised by those names (transformers' exports), or as the two rank-3 outputs of one Q whose
+last sizes are 4 and K. Scores as model.score_activation says: sigmoid (RT-DETR and its focal-loss
+kin: the best `Q` (query, class) pairs over all classes, as transformers' RT-DETR postprocess takes
+them) or softmax (DETR: each query's best class but the last).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..postprocess import DeviceDetections, Thresholds, to_original
+from ..session import TensorSpec
+from . import Contract
+
+
+MAX_QUERIES = 1000
+"""Two unnamed outputs [B, Q, K] and [B, Q, 4] with more rows than this are a dense detector's
+heads (RetinaNet's 120,087 anchors), not a set of queries (DETR's 100, RT-DETR's 300)."""
+
+
+def pair(outputs) -> tuple | None:
+    """(logits, boxes) of `outputs` (TensorSpecs, or a dict of tensors), by name, or by shape with
+    at most MAX_QUERIES queries."""
+    items = list(outputs.items()) if isinstance(outputs, dict) else [(s.name, s) for s in outputs]
+    by_name = dict(items)
+    if "logits" in by_name and "pred_boxes" in by_name:
+        return by_name["logits"], by_name["pred_boxes"]
+    if len(items) != 2:
+        return None
+    (_, a), (_, b) = items
+    if len(a.shape) != 3 or len(b.shape) != 3 or a.shape[1] != b.shape[1] or not isinstance(a.shape[1], int) \
+            or a.shape[1] > MAX_QUERIES:
+        return None
+    if b.shape[2] == 4 and a.shape[2] != 4:
+        return a, b
+    if a.shape[2] == 4 and b.shape[2] != 4:
+        return b, a
+    return None
+
+
+class SetPrediction(Contract):
+    """Scores from the logits, the best pairs per image, boxes to model-input pixels, then the
+    resize/letterbox undone and clipped, on the outputs' device; one host sync."""
+
+    name = "set_prediction"
+    outputs = {}
+    order = 60
+    own_nms = True
+
+    def __init__(self, *, activation: str, input_hw: tuple[int, int]):
+        self.activation, self.input_hw = activation, input_hw
+
+    @classmethod
+    def why(cls, outputs: list[TensorSpec], metadata: dict[str, str] | None = None) -> str:
+        logits, boxes = pair(outputs)
+        return f"its outputs {logits.describe()} (logits) and {boxes.describe()} (boxes), a set of queries"
+
+    @classmethod
+    def fits(cls, outputs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bool:
+        found = pair(outputs)
+        return found is not None and len(found[0].shape) == 3 and len(found[1].shape) == 3 and found[1].shape[2] == 4
+
+    @classmethod
+    def expected(cls) -> str:
+        return f"{cls.name}: logits [B, Q, K] and pred_boxes [B, Q, 4] (normalised centre x, y, width, height)"
+
+    @classmethod
+    def from_config(cls, model, config, *, device, input_hw) -> SetPrediction:
+        return cls(activation=config.model.score_activation, input_hw=input_hw)
+
+    def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, num_images: int,
+                 thresholds: Thresholds) -> DeviceDetections:
+        logits, cxcywh = pair(outputs)
+        logits = logits.float()
+        meta = meta.to(logits.device)
+        batch, queries, classes = logits.shape
+        if self.activation == "softmax":  # DETR: the last class is "no object"
+            scores, labels = logits.softmax(dim=-1)[..., :-1].max(dim=-1)
+            query = torch.arange(queries, device=logits.device).expand(batch, queries)
+        else:  # the best Q (query, class) pairs of the image, over every class
+            top, flat = logits.sigmoid().flatten(1).topk(queries, dim=1)
+            scores, labels, query = top, flat % classes, flat // classes
+        order = torch.argsort(scores, dim=1, descending=True, stable=True)
+        scores, labels, query = (torch.gather(t, 1, order) for t in (scores, labels, query))
+        rank = torch.arange(queries, device=logits.device)[None]
+        keep = (scores >= thresholds.score_threshold) & (rank < thresholds.max_detections)
+        keep[num_images:] = False
+        image, column = keep.nonzero(as_tuple=True)  # one sync: the count
+        height, width = self.input_hw
+        centre, size = cxcywh[image, query[image, column]].float().split(2, dim=1)
+        scale = centre.new_tensor([width, height])
+        corners = torch.stack([(centre - size / 2) * scale, (centre + size / 2) * scale], dim=1)  # [M, 2, 2]
+        found = to_original(corners, image, meta).reshape(-1, 4)
+        return DeviceDetections(batch_index=image, boxes_xyxy=found, scores=scores[image, column],
+                                labels=labels[image, column].long(), landmarks=None)
