@@ -340,7 +340,8 @@ class Detector:
             ("score_threshold", score_threshold), ("iou_threshold", iou_threshold),
             ("max_detections", max_detections)) if v is not None})
         if classes is not None:
-            keep = dataclasses.replace(keep, classes=class_numbers(tuple(classes), self.labels, where="classes="))
+            given = (classes,) if isinstance(classes, (str, int)) else tuple(classes)  # one class, or several
+            keep = dataclasses.replace(keep, classes=class_numbers(given, self.labels, where="classes="))
         failed: list[tuple[int, ImageError]] = []  # a heap by index: the checks run ahead of the results
 
         def on_error(errors: list[ImageError]) -> None:

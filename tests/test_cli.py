@@ -295,3 +295,5 @@ def test_classes_and_score_threshold_options_keep_what_they_say(tmp_path):
     detector = Detector.from_config(device="cpu", model=str(model), overrides=["model.landmarks=0"])
     (result,) = detector.run(str(image), classes=["car"], score_threshold=0.5)
     assert result.names == ["car", "car"] and list(result.labels) == [1, 1]
+    (result,) = detector.run(str(image), classes="person", score_threshold=0.5)  # one class, as a string
+    assert result.names == ["person"]
