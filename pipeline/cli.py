@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="messages on stderr at this level and above (default WARNING)")
     common.add_argument("--log-json", action="store_true", help="log one JSON object per line on stderr")
     common.add_argument("--quiet", action="store_true", help="no progress bar and no summary; errors only")
+    common.add_argument("--storage-option", dest="storage_options", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option for the object store or web server of s3://, gs://, az:// or https:// "
+                             "sources (endpoint_url=..., anon=true; repeatable; never logged)")
 
     parser = argparse.ArgumentParser(prog="gpudet", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"gpudet {__version__}")
@@ -476,6 +479,20 @@ def expanded_glob_hint(args: argparse.Namespace, unknown: list[str]) -> str:
             f"glob; quote it, gpudet {args.command} 'photos/*.jpg', or give a folder or a file list)")
 
 
+def without_storage_values(argv: list[str]) -> list[str]:
+    """The command line with each --storage-option's value hidden (it may hold a credential)."""
+    shown, hide = [], False
+    for word in argv:
+        if hide:
+            word, hide = word.split("=", 1)[0] + "=...", False
+        elif word == "--storage-option":
+            hide = True
+        elif word.startswith("--storage-option="):
+            word = "--storage-option=" + word.split("=", 1)[1].split("=", 1)[0] + "=..."
+        shown.append(word)
+    return shown
+
+
 def main(argv: list[str] | None = None) -> int:
     catch_signals()  # from the start: an interrupt during the imports ends as cleanly as one later
     ensure_standard_streams()  # before any file is opened: a closed stderr's number is never a record file's
@@ -483,7 +500,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # the command's usage, not gpudet's list of commands
         args.command_parser.error(f"unrecognized arguments: {shlex.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}"
                                   + expanded_glob_hint(args, unknown))
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.argv = without_storage_values(list(sys.argv[1:] if argv is None else argv))  # as reports record it
+    if args.storage_options:
+        from .storage import set_options
+
+        try:
+            set_options(args.storage_options)
+        except ConfigError as e:
+            args.command_parser.error(str(e))
     setup_logging(args.log_level, args.log_json, args.quiet)
     commands = {"detect": cmd_detect, "export": cmd_export, "export-coco": cmd_export_coco, "eval": cmd_eval, "draw": cmd_draw,
                 "inspect": cmd_inspect, "bench": cmd_bench}

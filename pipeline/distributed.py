@@ -20,6 +20,7 @@ import asyncio
 import inspect
 import logging
 import math
+import os
 import queue
 import re
 import threading
@@ -40,6 +41,7 @@ from .job import Outcome, RunOptions, record_stream
 from .layout import SHARDS
 from .results import ImageRef
 from .source import FLUSH, batched
+from .storage import OPTIONS_VARIABLE
 from .timing import StageClock
 
 log = logging.getLogger("gpudet")
@@ -268,8 +270,10 @@ def ray_level(line: str) -> int:
 def start_ray(ray, address: str | None, workers: int) -> None:
     """ray.init, with Ctrl-C and SIGTERM left to gpudet (ray.init installs handlers of its own)."""
     try:
+        carried = {name: os.environ[name] for name in (OPTIONS_VARIABLE,) if name in os.environ}
         ray.init(address=address, ignore_reinit_error=True, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False, **({} if address else {"num_cpus": max(4, 2 * workers)}))
+                 configure_logging=False, **({} if address else {"num_cpus": max(4, 2 * workers)}),
+                 **({"runtime_env": {"env_vars": carried}} if carried else {}))  # --storage-option for the actors
     except KeyboardInterrupt:
         raise
     except Exception as e:  # no cluster at the address, another Ray version, no room for a local one

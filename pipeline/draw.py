@@ -10,6 +10,7 @@ leave the image at the top is drawn inside its box.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
+from . import storage
 from .errors import OutputError
 from .layout import DRAWINGS_MARKER, records_folder
 
@@ -32,7 +34,9 @@ def draw_detections(record: dict, image=None, *, min_score: float = 0.0) -> Imag
     image or uint8 RGB pixels [H, W, 3]; default the file at the record's path, in display
     orientation (EXIF applied), as the boxes are."""
     if image is None or isinstance(image, (str, Path)):
-        image = ImageOps.exif_transpose(Image.open(image or record["path"]))
+        where = os.fspath(image or record["path"])
+        opened = Image.open(io.BytesIO(storage.read_url(where)) if storage.is_url(where) else where)
+        image = ImageOps.exif_transpose(opened)
     elif isinstance(image, np.ndarray):
         image = Image.fromarray(image)
     image = image.convert("RGB")
@@ -77,15 +81,15 @@ def draw_records(records: Iterable[dict], out_dir: str | Path, *, root: str | Pa
     for k, record in enumerate(records):
         if limit is not None and k >= limit:
             break
-        source = Path(record["path"])
-        if root is not None and not source.is_absolute():
+        source = record["path"] if storage.is_url(record["path"]) else Path(record["path"])
+        if root is not None and isinstance(source, Path) and not source.is_absolute():
             source = Path(root) / source
         try:
             image = draw_detections(record, source, min_score=min_score)
         except (OSError, ValueError) as e:  # gone since the run, unreadable, no longer an image
             skipped.append(f"{source}: {e.strerror if isinstance(e, OSError) and e.strerror else e}")
             continue
-        path = out / f"{int(record['index']):08d}_{safe_stem(source)}.{image_format}"
+        path = out / f"{int(record['index']):08d}_{safe_stem(Path(source))}.{image_format}"
         if path.is_symlink() or (os.path.lexists(path) and not ours):
             raise OutputError(f"{path} is there already, and not a drawing gpudet made; gpudet never replaces a file "
                               "it did not write: give --out a new or empty folder, or one gpudet draw wrote")

@@ -30,8 +30,8 @@ class ImageError:
     index: int
     path: str
     reason: str
-    """Stable code: missing, not_a_file, unreadable, empty, unknown_format, bad_header, truncated,
-    too_large, decode_failed, unsupported, bad_array, bad_model_output (docs/OUTPUT.md, "When things
+    """Stable code: missing, forbidden, not_a_file, unreadable, empty, unknown_format, bad_header,
+    truncated, too_large, decode_failed, unsupported, bad_array, bad_model_output (docs/OUTPUT.md, "When things
     go wrong")."""
     message: str
 

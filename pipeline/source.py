@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import layout
+from . import layout, storage
 from .errors import SourceError
 from .imagefile import DALI_JPEG, JPEG_KINDS, PNG_END, PNG_END_WITHIN, exif_orientation, image_size, jpeg_frame, \
     least_bits, sniff_format
@@ -57,6 +57,14 @@ def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = N
     if not text:
         raise SourceError("the source is empty (''; an unset shell variable?); give a file list (.txt), a folder, "
                           "an image file or a glob in quotes")
+    if storage.is_url(text):  # object storage or a web server: storage.list_url
+        if root is not None:
+            raise SourceError(f"--root {os.fspath(root)} applies to a local .txt file list; leave it out for {text}")
+        refs = [ImageRef(i, url) for i, url in enumerate(storage.list_url(text, IMAGE_EXTENSIONS))]
+        if not refs:
+            raise SourceError(f"{text} holds no image (none named {', '.join(sorted(IMAGE_EXTENSIONS))}); check the "
+                              "prefix")
+        return refs
     path = Path(text)
     try:
         mode = path.stat().st_mode
@@ -229,7 +237,10 @@ def read_list(path: Path, base: Path) -> list[ImageRef]:
 def resolved(base: str, text: str) -> str:
     """str(Path(base) / Path(expanduser(text))), as pathlib writes it, without pathlib's cost on
     the plain names of a list of millions (~20 us a line): those are joined by hand, anything
-    pathlib would normalise (//, ./, a trailing /, ~) goes through it."""
+    pathlib would normalise (//, ./, a trailing /, ~) goes through it. A URL (s3://, https://, ...)
+    is taken as it is."""
+    if "://" in text and storage.is_url(text):
+        return text
     if text.startswith("~") or "//" in text or "/./" in text or text.startswith("./") or text.endswith(("/", "/.")) \
             or text == "." or base in (".", "") or base.endswith("/"):
         try:
@@ -617,7 +628,13 @@ def read_all(items: Sequence[Item], max_pixels: int = 0, max_bytes: int = 0, sca
     """`checked` of each item; a large JPEG to decode at a reduced scale is handed to `decoders`
     (its Future in its place), or decoded here without them."""
     done = []
+    urls = [i.path for i in items if isinstance(i, ImageRef) and storage.is_url(i.path)]
+    fetched = storage.fetch(urls) if urls else {}  # concurrently, with retries
     for item in items:
+        if isinstance(item, ImageRef) and item.path in fetched:
+            data = fetched[item.path]
+            item = ImageError(item.index, item.path, data.reason, str(data)) if isinstance(data, storage.Unreadable) \
+                else EncodedImage(item, np.frombuffer(data, dtype=np.uint8))
         item = checked(item, max_pixels, max_bytes, scaled)
         if isinstance(item, EncodedImage) and item.scaled is not None:
             item = decoders.submit(decoded_scaled, item, item.scaled) if decoders else decoded_scaled(item, item.scaled)

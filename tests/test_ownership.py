@@ -392,6 +392,7 @@ def lossless_jpeg(pixels: np.ndarray, bits: int = 8) -> bytes:
             byte = (acc >> (count - 8)) & 0xFF
             out += bytes([byte, 0]) if byte == 0xFF else bytes([byte])
             count -= 8
+        acc &= (1 << count) - 1  # the bits not yet written only: a bounded int, not one of the whole image
     if count:
         byte = ((acc << (8 - count)) | ((1 << (8 - count)) - 1)) & 0xFF
         out += bytes([byte, 0]) if byte == 0xFF else bytes([byte])

@@ -1,0 +1,193 @@
+"""Images in object storage and on web servers: s3://, gs://, az:// (abfs://) and http(s):// URLs,
+read through fsspec and the back-end each scheme needs (s3fs, gcsfs, adlfs; aiohttp for HTTP: the
+extras gpudet[s3], gpudet[gcs], gpudet[azure], gpudet[http]).
+
+Credentials and endpoints are found as those libraries find them (AWS_* variables and
+AWS_ENDPOINT_URL, profiles, instance roles, ...); `--storage-option KEY=VALUE` gives them the
+options they take (endpoint_url=..., anon=true), never logged. The options reach --devices workers
+and Ray actors through the GPUDET_STORAGE_OPTIONS variable.
+
+A source's objects are fetched many at once (fsspec's `cat` of a reading thread's share of a
+batch: tens of requests in flight over the reading threads); a transient failure (a 5xx status,
+throttling, a connection reset, a timeout) is tried again with backoff, TRIES times in all, then
+the image is recorded `unreadable` with the error; a missing object is `missing` and a refused one
+`forbidden` at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from functools import lru_cache
+
+from .errors import ConfigError, SourceError
+
+SCHEMES = {"s3": "s3fs (pip install 'gpudet[s3]')", "gs": "gcsfs (pip install 'gpudet[gcs]')",
+           "gcs": "gcsfs (pip install 'gpudet[gcs]')", "az": "adlfs (pip install 'gpudet[azure]')",
+           "abfs": "adlfs (pip install 'gpudet[azure]')", "abfss": "adlfs (pip install 'gpudet[azure]')",
+           "http": "aiohttp (pip install 'gpudet[http]')", "https": "aiohttp (pip install 'gpudet[http]')"}
+"""The schemes gpudet reads, and what each needs."""
+URL = re.compile(r"([a-z][a-z0-9+.-]*)://", re.IGNORECASE)
+OPTIONS_VARIABLE = "GPUDET_STORAGE_OPTIONS"
+TRIES = 5
+BACKOFF_S = 0.2
+"""The first retry's wait; each next one waits twice as long."""
+
+
+def scheme(text: str) -> str | None:
+    """The URL scheme of `text` that gpudet reads (lower case), or None for a local path."""
+    match = URL.match(text)
+    return match.group(1).lower() if match and match.group(1).lower() in SCHEMES else None
+
+
+def is_url(text: str) -> bool:
+    return scheme(text) is not None
+
+
+def set_options(pairs: list[str]) -> None:
+    """--storage-option KEY=VALUE (VALUE parsed as JSON where it can be: true, 3, "x"), for this
+    process and the workers it starts (GPUDET_STORAGE_OPTIONS)."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--storage-option {pair.split('=')[0][:40]!r}: give KEY=VALUE, e.g. "
+                              "--storage-option endpoint_url=http://127.0.0.1:9000")
+        try:
+            options[key.strip()] = json.loads(value)
+        except ValueError:
+            options[key.strip()] = value
+    os.environ[OPTIONS_VARIABLE] = json.dumps(options)
+    filesystem.cache_clear()
+
+
+def options() -> dict:
+    try:
+        value = json.loads(os.environ.get(OPTIONS_VARIABLE, "{}"))
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+@lru_cache(maxsize=16)
+def filesystem(protocol: str, settings: str):
+    """The fsspec filesystem of a scheme with these options (JSON), made once per process."""
+    import fsspec
+
+    try:
+        return fsspec.filesystem(protocol, **json.loads(settings))
+    except ImportError:
+        raise SourceError(f"{protocol}:// URLs need {SCHEMES[protocol]}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"--storage-option: the {protocol} filesystem does not take these options ({e})") from None
+
+
+def fs_of(url: str):
+    """(filesystem, its path for `url`)."""
+    protocol = scheme(url)
+    name = {"gcs": "gs", "abfss": "abfs"}.get(protocol, protocol)
+    fs = filesystem(name, json.dumps(options(), sort_keys=True))
+    return fs, url if protocol in ("http", "https") else fs._strip_protocol(url)
+
+
+def url_of(fs, path: str, like: str) -> str:
+    """The URL of an fsspec path, in the scheme the user wrote (`like`)."""
+    if is_url(path):
+        return path
+    return f"{URL.match(like).group(1)}://{path}"
+
+
+def list_url(source: str, image_extensions: frozenset[str]) -> list[str]:
+    """The URLs a URL source names, sorted: a glob (`*`, `?`, `[`) its matches; a prefix (ending in
+    `/`, or a folder of the store) the objects under it whose names are images' (by extension: a
+    store cannot be sniffed cheaply); a `.txt` its lines (URLs, or paths relative to the list's
+    folder); else the one object."""
+    fs, path = fs_of(source)
+    try:
+        if any(c in source.split("://", 1)[1] for c in "*?["):
+            return sorted(url_of(fs, p, source) for p in fs.glob(path) if not p.endswith("/"))
+        if source.endswith("/") or (not source.lower().endswith(".txt") and fs.isdir(path)):
+            found = fs.find(path)
+            return sorted(url_of(fs, p, source) for p in found
+                          if os.path.splitext(p)[1].lower() in image_extensions)
+        if source.lower().endswith(".txt"):
+            text = fs.cat_file(path).decode("utf-8")
+            base = source.rsplit("/", 1)[0]
+            lines = [line.strip() for line in text.splitlines()]
+            return [line if is_url(line) or line.startswith("/") else f"{base}/{line}"
+                    for line in lines if line and not line.startswith("#")]
+        return [source]
+    except FileNotFoundError:
+        raise SourceError(f"source {source} does not exist; check the bucket and the path") from None
+    except PermissionError as e:
+        raise SourceError(f"source {source}: access refused ({e}); check the credentials") from None
+    except OSError as e:
+        raise SourceError(f"source {source}: cannot list it ({' '.join(str(e).split())[:200]})") from None
+
+
+class Unreadable(OSError):
+    """An object that could not be fetched: `reason` (missing, forbidden, unreadable) and why."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def transient(error: BaseException) -> bool:
+    """A failure worth trying again: a 5xx or 429 status, throttling, a reset, a timeout."""
+    status = getattr(error, "status", None) or getattr(error, "code", None)
+    if isinstance(status, int):
+        return status >= 500 or status == 429
+    text = f"{type(error).__name__} {error}".lower()
+    return any(word in text for word in ("timeout", "timed out", "reset", "throttl", "slowdown", "connection",
+                                         "503", "500", "502", "504", "429", "payload"))
+
+
+def classified(error: BaseException) -> Unreadable:
+    status = getattr(error, "status", None) or getattr(error, "code", None)
+    if isinstance(error, FileNotFoundError) or status == 404:
+        return Unreadable("missing", "no such object; check the URL")
+    if isinstance(error, PermissionError) or status in (401, 403):
+        return Unreadable("forbidden", f"access refused ({' '.join(str(error).split())[:160]}); check the credentials")
+    return Unreadable("unreadable", f"cannot fetch it after {TRIES} tries: {' '.join(str(error).split())[:200]}")
+
+
+def fetch(urls: list[str]) -> dict[str, bytes | Unreadable]:
+    """Each URL's bytes, fetched concurrently, or why it could not be (Unreadable); transient
+    failures tried again with backoff."""
+    results: dict[str, bytes | Unreadable] = {}
+    by_fs: dict[int, tuple] = {}
+    for url in urls:
+        fs, path = fs_of(url)
+        by_fs.setdefault(id(fs), (fs, {}))[1][path] = url
+    for fs, paths in by_fs.values():
+        todo, wait = list(paths), BACKOFF_S
+        for attempt in range(TRIES):
+            try:
+                got = fs.cat(todo, on_error="return")  # a list: a dict of each path's bytes or error
+            except Exception as e:  # the whole call failed (the endpoint unreachable): each path's error
+                got = dict.fromkeys(todo, e)
+            again = []
+            for path in todo:
+                value = got.get(path)
+                if isinstance(value, bytes):
+                    results[paths[path]] = value
+                elif value is not None and transient(value) and attempt + 1 < TRIES:
+                    again.append(path)
+                else:
+                    results[paths[path]] = classified(value if value is not None else OSError("no reply"))
+            if not again:
+                break
+            time.sleep(wait)
+            todo, wait = again, wait * 2
+    return results
+
+
+def read_url(url: str) -> bytes:
+    """One object's bytes (Unreadable if it cannot be fetched)."""
+    value = fetch([url])[url]
+    if isinstance(value, Unreadable):
+        raise value
+    return value

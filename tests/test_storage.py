@@ -1,0 +1,161 @@
+"""Sources in object storage and on web servers, against real servers on 127.0.0.1: moto's S3
+server, and an HTTP server that can be told to fail requests."""
+
+import http.server
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import SAMPLES, gpudet, read_jsonl
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+IMAGES = sorted(p.name for p in SAMPLES.iterdir() if p.suffix in (".png", ".jpg"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server, the samples under s3://photos/set/; its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                          region_name="us-east-1")
+    client.create_bucket(Bucket="photos")
+    for name in IMAGES + ["ATTRIBUTION.md"]:
+        client.upload_file(str(SAMPLES / name), "photos", f"set/{name}")
+    yield endpoint
+    server.stop()
+
+
+def on_s3(*args, endpoint: str):
+    device = ["--device", "cpu"] if args[0] == "detect" else []
+    return gpudet(*args, *device, "--storage-option", f"endpoint_url={endpoint}", env={**os.environ, **CREDENTIALS})
+
+
+def without_paths(records: list[dict]) -> list[dict]:
+    return [{**r, "path": Path(r["path"]).name} for r in records]
+
+
+def test_a_prefix_in_s3_gives_the_records_the_folder_gives(s3, tmp_path):
+    local = gpudet("detect", SAMPLES, "--out", tmp_path / "local", "--device", "cpu")
+    assert local.returncode == 0, local.stderr
+    run = on_s3("detect", "s3://photos/set/", "--out", tmp_path / "s3", endpoint=s3)
+    assert run.returncode == 0, run.stderr
+    records = read_jsonl(tmp_path / "s3" / "detections.jsonl")
+    assert [r["path"] for r in records] == [f"s3://photos/set/{name}" for name in IMAGES]
+    assert without_paths(records) == without_paths(read_jsonl(tmp_path / "local" / "detections.jsonl"))
+    assert endpoint_not_in(tmp_path / "s3", s3)
+
+
+def endpoint_not_in(folder: Path, endpoint: str) -> bool:
+    """No file of an output folder holds the storage option's value."""
+    return all(endpoint not in p.read_text(errors="replace") for p in folder.iterdir() if p.is_file())
+
+
+def test_a_glob_a_list_of_urls_and_missing_objects_and_resume(s3, tmp_path):
+    """A glob on a prefix; a list mixing URLs, a local path and a missing object (recorded
+    missing); --resume over it processes nothing twice; gpudet draw reads the images from S3."""
+    run = on_s3("detect", "s3://photos/set/*.jpg", "--out", tmp_path / "glob", endpoint=s3)
+    assert run.returncode == 0, run.stderr
+    assert [r["path"] for r in read_jsonl(tmp_path / "glob" / "detections.jsonl")] == \
+        ["s3://photos/set/china.jpg", "s3://photos/set/grace_hopper.jpg"]
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"s3://photos/set/astronaut.png\n{SAMPLES / 'camera.png'}\ns3://photos/set/nothing.jpg\n")
+    run = on_s3("detect", listing, "--out", tmp_path / "o", endpoint=s3)
+    assert run.returncode == 3, run.stderr
+    (missing,) = read_jsonl(tmp_path / "o" / "errors.jsonl")
+    assert missing["reason"] == "missing" and missing["path"] == "s3://photos/set/nothing.jpg"
+    assert len(read_jsonl(tmp_path / "o" / "detections.jsonl")) == 2
+    again = on_s3("detect", listing, "--out", tmp_path / "o", "--resume", endpoint=s3)
+    assert again.returncode == 3 and "nothing left to process" in again.stdout, again.stdout
+    assert len(read_jsonl(tmp_path / "o" / "detections.jsonl")) == 2
+    drawn = on_s3("draw", tmp_path / "o", "--out", tmp_path / "vis", endpoint=s3)
+    assert drawn.returncode == 0 and sorted(p.name for p in (tmp_path / "vis").glob("*.jpg")) == \
+        ["00000000_astronaut.jpg", "00000001_camera.jpg"], drawn.stderr
+
+
+class Flaky(http.server.SimpleHTTPRequestHandler):
+    """Serves samples/; every `fail_every`-th request for an image gets a 503; /forbidden/ a 403."""
+
+    requests = 0
+    fail_every = 3
+    lock = threading.Lock()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, directory=str(SAMPLES), **kwargs)
+
+    def do_GET(self):
+        if self.path.startswith("/forbidden/"):
+            self.send_error(403)
+            return
+        with Flaky.lock:
+            Flaky.requests += 1
+            fail = Flaky.requests % Flaky.fail_every == 0
+        if fail:
+            self.send_error(503)
+            return
+        super().do_GET()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def flaky_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Flaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    Flaky.requests = 0
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_third_of_the_requests_failing_transiently_still_records_every_image_once(flaky_server, tmp_path):
+    listing = tmp_path / "urls.txt"
+    urls = [f"{flaky_server}/{name}" for name in IMAGES] * 4  # 24 images, each fetched on its own
+    listing.write_text("\n".join(urls + [f"{flaky_server}/forbidden/a.jpg", f"{flaky_server}/none.jpg"]) + "\n")
+    run = gpudet("detect", listing, "--out", tmp_path / "o", "--device", "cpu", "--batch-size", "4")
+    assert run.returncode == 3, run.stderr
+    records = read_jsonl(tmp_path / "o" / "detections.jsonl")
+    assert sorted(r["index"] for r in records) == list(range(24)) and Flaky.requests > 30
+    failed = {e["path"]: e["reason"] for e in read_jsonl(tmp_path / "o" / "errors.jsonl")}
+    assert failed == {f"{flaky_server}/forbidden/a.jpg": "forbidden", f"{flaky_server}/none.jpg": "missing"}, failed
+
+
+def test_storage_option_values_never_reach_a_report():
+    from pipeline.cli import without_storage_values
+
+    assert without_storage_values(["bench", "s3://b/", "--storage-option", "secret_key=abc",
+                                   "--storage-option=key=xyz"]) == \
+        ["bench", "s3://b/", "--storage-option", "secret_key=...", "--storage-option=key=..."]
+    assert json.dumps(without_storage_values(["--storage-option", "token=t0ps3cret"])).count("t0ps3cret") == 0
+
+
+def test_ray_actors_fetch_url_sources_themselves(flaky_server, tmp_path):
+    """--ray over a list of URLs: the driver lists, the actor fetches (no shared disk needed), with
+    the same retries; every image recorded once."""
+    Flaky.fail_every = 4
+    try:
+        listing = tmp_path / "urls.txt"
+        listing.write_text("".join(f"{flaky_server}/{name}\n" for name in IMAGES))
+        run = gpudet("detect", listing, "--out", tmp_path / "o", "--ray", "--workers", "1", "--device", "cpu",
+                     timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        records = read_jsonl(tmp_path / "o" / "detections.jsonl")
+        assert sorted(r["index"] for r in records) == list(range(len(IMAGES)))
+    finally:
+        Flaky.fail_every = 3
