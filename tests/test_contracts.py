@@ -20,7 +20,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def test_the_package_knows_its_contracts_in_order_and_by_name():
-    assert [c.name for c in known()] == ["end_to_end", "ssd_heads", "retinanet_heads"]
+    assert [c.name for c in known()] == ["end_to_end", "ssd_heads", "retinanet_heads", "padded_end_to_end",
+                                         "set_prediction", "anchor_free"]
     assert named("auto") is None and named("ssd_heads").name == "ssd_heads"
     with pytest.raises(ModelError, match="not a contract gpudet knows; give auto, one of end_to_end"):
         named("yolo")

@@ -2,8 +2,9 @@
 that Ultralytics builds (random weights, from its model YAML) and exports, with no download;
 padded_end_to_end and set_prediction on small ONNX graphs with those families' outputs."""
 
-import contextlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +16,13 @@ from conftest import ROOT, SAMPLES, batched_constant_model, cpu_and_cuda, gpudet
 from pipeline.postprocess import Thresholds
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ultralytics_settings(tmp_path_factory):
-    """Ultralytics writes its settings file where YOLO_CONFIG_DIR says (else under HOME) on import."""
-    os.environ.setdefault("YOLO_CONFIG_DIR", str(tmp_path_factory.mktemp("ultralytics")))
+def ultralytics(code: str, folder: Path) -> None:
+    """Run Python code that uses Ultralytics in a process of its own, in `folder`: importing it
+    replaces PIL's Image.open for the whole process (its HEIF patch, which pip-installs a package on
+    a file PIL cannot open), which the other tests must not inherit; its settings go into `folder`."""
+    done = subprocess.run([sys.executable, "-c", code], cwd=folder, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "YOLO_CONFIG_DIR": str(folder / "settings")})
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +30,9 @@ def yolo11n(tmp_path_factory):
     """YOLO11n (COCO's 80 classes) with seeded random weights, exported by Ultralytics at 320x320
     with a dynamic batch: output0 [B, 84, 2100]."""
     folder = tmp_path_factory.mktemp("yolo")
-    from ultralytics import YOLO
-
-    torch.manual_seed(0)
-    with contextlib.chdir(folder):
-        path = YOLO("yolo11n.yaml").export(format="onnx", simplify=False, imgsz=320, dynamic=True)
-    return folder / os.path.basename(path)
+    ultralytics("import torch\nfrom ultralytics import YOLO\ntorch.manual_seed(0)\n"
+                "YOLO('yolo11n.yaml').export(format='onnx', simplify=False, imgsz=320, dynamic=True)\n", folder)
+    return folder / "yolo11n.onnx"
 
 
 def identity_meta(batch: int, height: int, width: int, device) -> torch.Tensor:
@@ -51,23 +52,27 @@ def yolo_head(rng, batch: int, positions: int, classes: int) -> np.ndarray:
 
 
 @cpu_and_cuda()
-def test_anchor_free_keeps_what_ultralytics_nms_keeps(device):
+def test_anchor_free_keeps_what_ultralytics_nms_keeps(device, tmp_path):
     """A head's raw output through gpudet's contract and through Ultralytics' own
     non_max_suppression: the same boxes (within 1 px), scores and classes, image by image, with
     hundreds of overlapping candidates per image."""
-    from ultralytics.utils.nms import non_max_suppression
-
     from pipeline.contracts.anchor_free import AnchorFree
 
     raw = yolo_head(np.random.default_rng(0), 3, 2100, 80)
+    np.save(tmp_path / "raw.npy", raw)
+    settings = ((0.25, 0.7, 300), (0.05, 0.45, 100), (0.6, 0.5, 5))
+    ultralytics("import numpy as np, torch\nfrom ultralytics.utils.nms import non_max_suppression\n"
+                "raw = torch.from_numpy(np.load('raw.npy'))\n"
+                f"for k, (c, i, m) in enumerate({settings!r}):\n"
+                "    for b, kept in enumerate(non_max_suppression(raw, conf_thres=c, iou_thres=i, max_det=m)):\n"
+                "        np.save(f'kept_{k}_{b}.npy', kept.numpy())\n", tmp_path)
     head = torch.from_numpy(raw).to(device)
-    for threshold, iou, cap in ((0.25, 0.7, 300), (0.05, 0.45, 100), (0.6, 0.5, 5)):
+    for k, (threshold, iou, cap) in enumerate(settings):
         found = AnchorFree(first=True, objectness=False, pre_nms_top_k=30000)(
             {"output0": head}, identity_meta(3, 320, 320, device), num_images=3,
             thresholds=Thresholds(threshold, iou, cap)).to_host()
-        reference = non_max_suppression(torch.from_numpy(raw), conf_thres=threshold, iou_thres=iou, max_det=cap)
-        for b, theirs in enumerate(reference):
-            theirs = theirs.numpy()
+        for b in range(3):
+            theirs = np.load(tmp_path / f"kept_{k}_{b}.npy")
             rows = found.batch_index == b
             ours = np.concatenate([found.boxes_xyxy[rows], found.scores[rows, None], found.labels[rows, None]], axis=1)
             assert len(ours) == len(theirs) > 0, (threshold, b, len(ours), len(theirs))
