@@ -37,7 +37,7 @@ def main() -> None:
         photo = np.asarray(ImageOps.exif_transpose(Image.open(first)).convert("RGB"))
         (result,) = detector.run(photo, score_threshold=0.5)
         print(result.to_json()[:120], "...")
-        print(f"first box as YOLO's centre-size over the image: {result.xywhn[:1].round(3).tolist()}")
+        print(f"first box as YOLO's centre-size over the image: {[round(float(v), 4) for v in result.xywhn[0]] if len(result.scores) else []}")
         print(f"drawn: {result.draw(photo).size}")
 
     # 3. Detections as torch tensors on the device, for work that continues there: no host copy.
