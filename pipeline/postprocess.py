@@ -72,10 +72,14 @@ class DeviceDetections:
 
     def of_classes(self, classes: tuple[int, ...]) -> DeviceDetections:
         """The rows of these labels only."""
-        rows = torch.isin(self.labels, torch.tensor(classes, dtype=self.labels.dtype, device=self.labels.device))
-        return DeviceDetections(batch_index=self.batch_index[rows], boxes_xyxy=self.boxes_xyxy[rows],
-                                scores=self.scores[rows], labels=self.labels[rows],
-                                landmarks=None if self.landmarks is None else self.landmarks[rows])
+        return self.rows(torch.isin(self.labels, torch.tensor(classes, dtype=self.labels.dtype,
+                                                              device=self.labels.device)))
+
+    def rows(self, mask: torch.Tensor) -> DeviceDetections:
+        """The rows where `mask` is True, every column."""
+        return DeviceDetections(batch_index=self.batch_index[mask], boxes_xyxy=self.boxes_xyxy[mask],
+                                scores=self.scores[mask], labels=self.labels[mask],
+                                landmarks=None if self.landmarks is None else self.landmarks[mask])
 
     def bad_images(self) -> list[int]:
         """As Detections.bad_images (one host sync)."""
@@ -88,10 +92,8 @@ class DeviceDetections:
         """As Detections.without."""
         dropped = torch.tensor(images, dtype=torch.int64, device=self.batch_index.device)
         renumbered = torch.cumsum(~torch.isin(torch.arange(count, device=dropped.device), dropped), 0) - 1
-        rows = ~torch.isin(self.batch_index, dropped)
-        return DeviceDetections(batch_index=renumbered[self.batch_index[rows]], boxes_xyxy=self.boxes_xyxy[rows],
-                                scores=self.scores[rows], labels=self.labels[rows],
-                                landmarks=None if self.landmarks is None else self.landmarks[rows])
+        kept = self.rows(~torch.isin(self.batch_index, dropped))
+        return dataclasses.replace(kept, batch_index=renumbered[kept.batch_index])
 
     def per_image(self, count: int) -> list[DeviceDetections]:
         """The rows of images 0..count-1 (rows are grouped by image), each as its own

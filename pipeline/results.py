@@ -11,6 +11,7 @@ Every input ends as exactly one ImageResult (or detections record) or one ImageE
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -67,17 +68,18 @@ class Detections:
         """These detections without the rows of `images` (batch rows of a batch of `count`), the
         images after them moved up (batch_index renumbered)."""
         renumbered = np.cumsum(~np.isin(np.arange(count), images)) - 1
-        rows = ~np.isin(self.batch_index, images)
-        return Detections(batch_index=renumbered[self.batch_index[rows]], boxes_xyxy=self.boxes_xyxy[rows],
-                          scores=self.scores[rows], labels=self.labels[rows],
-                          landmarks=None if self.landmarks is None else self.landmarks[rows])
+        kept = self.rows(~np.isin(self.batch_index, images))
+        return dataclasses.replace(kept, batch_index=renumbered[kept.batch_index])
 
     def of_classes(self, classes: tuple[int, ...]) -> Detections:
         """The rows of these labels only."""
-        rows = np.isin(self.labels, classes)
-        return Detections(batch_index=self.batch_index[rows], boxes_xyxy=self.boxes_xyxy[rows],
-                          scores=self.scores[rows], labels=self.labels[rows],
-                          landmarks=None if self.landmarks is None else self.landmarks[rows])
+        return self.rows(np.isin(self.labels, classes))
+
+    def rows(self, mask: np.ndarray) -> Detections:
+        """The rows where `mask` is True, every column."""
+        return Detections(batch_index=self.batch_index[mask], boxes_xyxy=self.boxes_xyxy[mask],
+                          scores=self.scores[mask], labels=self.labels[mask],
+                          landmarks=None if self.landmarks is None else self.landmarks[mask])
 
     def per_image(self, count: int) -> list[Detections]:
         """The rows of images 0..count-1, each as its own Detections (batch_index 0)."""
