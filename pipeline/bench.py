@@ -42,7 +42,8 @@ from .folder import OutputFolder
 from .job import record_stream
 from .formats import record_format
 from .sinks import read_complete_records
-from .source import EncodedImage, batched, list_images, read_checked
+from .source import EncodedImage, batched, read_checked
+from .listing import list_images
 from .timing import StageClock, process_seconds
 
 

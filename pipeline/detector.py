@@ -33,8 +33,8 @@ from .postprocess import BadModelOutput, DeviceDetections, GraphCache, Threshold
 from .preprocess import ByKind, PreprocessedBatch, Preprocessor, preprocess_stream
 from .results import Detections, ImageError, ImageRef, ImageResult
 from .session import drop_started, engine_arguments
-from .source import FLUSH, EncodedImage, Item, PixelImage, ScaledDecode, as_item, batched, list_images, read_chunks, \
-    within_pixels
+from .source import FLUSH, EncodedImage, Item, PixelImage, ScaledDecode, as_item, batched, read_chunks, within_pixels
+from .listing import list_images
 from .timing import StageClock
 
 log = logging.getLogger("gpudet")

@@ -3,7 +3,7 @@ detectors:
 
     run_job(source, config, options, executor)
       the output folder opened and held       folder.OutputFolder (its lock)
-      the source listed                       source.list_images
+      the source listed                       listing.list_images
       what is left to do                      OutputFolder.begin (--resume, --overwrite)
       the model checked                       check_model: before anything in --out changes
       the executor run over it                how images reach detectors: this process
@@ -32,7 +32,7 @@ from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, last_record_written
 from .folder import OutputFolder, RunResult
 from .results import ImageRef
 from .sinks import Row
-from .source import list_images
+from .listing import list_images
 from .timing import StageClock, process_seconds
 
 if TYPE_CHECKING:

@@ -46,7 +46,8 @@ import export_retinanet as exporter  # noqa: E402
 from pipeline.bench import code_version, gpudet_passes, machine, model_images_per_s, naive_images_per_s  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.detector import Detector  # noqa: E402
-from pipeline.source import EncodedImage, list_images, read_checked  # noqa: E402
+from pipeline.source import EncodedImage, read_checked
+from pipeline.listing import list_images  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "retinanet_r50_coco.yaml"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only to try this script out

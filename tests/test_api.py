@@ -12,7 +12,7 @@ from PIL import Image
 
 from pipeline import Detector, DeviceDetections, ImageError, ImageResult
 from pipeline.errors import ConfigError
-from pipeline.source import list_images
+from pipeline.listing import list_images
 
 from conftest import EXPECTED_FACES, ROOT, SAMPLES, cpu_and_cuda
 

@@ -73,7 +73,8 @@ def test_running_the_model_in_parts_gives_the_same_detections(device):
     time, their outputs joined as one batch's (the end-to-end model: dynamic outputs, no CUDA graph)."""
     from pipeline import Detector
     from pipeline.postprocess import image_meta
-    from pipeline.source import list_images, read_checked
+    from pipeline.source import read_checked
+    from pipeline.listing import list_images
 
     detector = Detector.from_config(E2E, device=device, batch_size=8)
     engine, preprocessor = detector.engine, detector.preprocessor
@@ -133,7 +134,7 @@ def test_engine_and_postprocess_on_threads_give_the_inline_results(tmp_path, dep
     batches, in order, with the same detections as the inline path, around a bad image, with more
     batches than slots, every slot used; the engine's time is counted from its thread."""
     from pipeline import Detector
-    from pipeline.source import list_images
+    from pipeline.listing import list_images
 
     (tmp_path / "bad.jpg").write_bytes(CORRUPT.tobytes())
     listed = list_images(SAMPLES) * 3 + [ImageRef(0, str(tmp_path / "bad.jpg"))] + list_images(SAMPLES)
@@ -172,7 +173,7 @@ def test_every_ort_run_happens_on_the_engines_own_thread(device):
     import torch
 
     from pipeline import Detector
-    from pipeline.source import list_images
+    from pipeline.listing import list_images
 
     class Recorder:  # the session, noting which thread each run comes from
         def __init__(self, session):

@@ -18,7 +18,8 @@ from pipeline.contracts.end_to_end import EndToEnd
 from pipeline.postprocess import Thresholds, image_meta
 from pipeline.results import Detections
 from pipeline.preprocess import Preprocessor
-from pipeline.source import list_images, read_checked
+from pipeline.source import read_checked
+from pipeline.listing import list_images
 
 from conftest import ROOT, SAMPLES, cpu_and_cuda
 

@@ -377,7 +377,7 @@ def test_a_batch_of_large_images_is_decoded_in_parts(tmp_path):
     from PIL import Image
 
     from pipeline import Detector
-    from pipeline.source import list_images
+    from pipeline.listing import list_images
 
     for k in range(8):
         Image.open(SAMPLES / "grace_hopper.jpg").resize((1000, 1000)).save(tmp_path / f"big{k}.png")
@@ -426,7 +426,7 @@ def test_fuzz_list_syntax_never_raises(tmp_path_factory, lines):
     """Any bytes in a file list: a list of refs (every line kept as a path, or skipped as blank or
     a comment) or SourceError for a list of none; never another exception."""
     from pipeline.errors import SourceError
-    from pipeline.source import list_images
+    from pipeline.listing import list_images
 
     listing = tmp_path_factory.mktemp("list") / "l.txt"
     listing.write_bytes(b"\n".join(line.replace(b"\n", b"") for line in lines))
@@ -441,9 +441,9 @@ def test_fuzz_list_syntax_never_raises(tmp_path_factory, lines):
 @given(base=st.sampled_from(["/data", "/", ".", "rel/dir", "/data/", "/a//b"]),
        text=st.text(alphabet="ab./~ #", max_size=12).filter(lambda t: t.strip() and not t.startswith("#")))
 def test_a_listed_path_resolves_as_pathlib_would(base, text):
-    """source.resolved joins the plain names of a list (neither blank nor a comment) by hand: the
+    """listing.resolved joins the plain names of a list (neither blank nor a comment) by hand: the
     same string pathlib gives."""
-    from pipeline.source import resolved
+    from pipeline.listing import resolved
 
     item = Path(os.path.expanduser(text))  # ~user/x for a user that does not exist stays as written
     assert resolved(str(Path(base)), text) == str(item if item.is_absolute() else Path(base) / item)  # base: a Path

@@ -131,3 +131,42 @@ def test_eval_without_its_extra_says_what_to_install(tmp_path):
                                                  "categories": [{"id": 1, "name": "face"}]}))
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 2 and "pip install 'gpudet[eval]'" in run.stderr and "Traceback" not in run.stderr
+
+
+def package_imports() -> dict[str, set[str]]:
+    """pipeline's modules -> the modules of pipeline each imports (relative imports, deferred ones
+    inside functions too)."""
+    import ast
+
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (ROOT / "pipeline").rglob("*.py")}
+    imports = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                parts = package.split(".")
+                target = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                found |= {t for t in [target] * bool(node.module) + [f"{target}.{a.name}" for a in node.names]
+                          if t in files and t != name}
+        imports[name] = found
+    return imports
+
+
+def test_no_import_cycle_and_no_module_over_600_lines():
+    imports = package_imports()
+    assert len(imports) > 30 and "pipeline.listing" in imports["pipeline.detector"]
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        assert module not in path, "import cycle: " + " -> ".join(path[path.index(module):] + [module])
+        if module not in done:
+            for target in imports[module]:
+                visit(target, path + [module])
+            done.add(module)
+
+    for module in imports:
+        visit(module, [])
+    long = {p.name: n for p in (ROOT / "pipeline").rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, f"modules over 600 lines (split them by what they do): {long}"

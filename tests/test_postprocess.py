@@ -78,7 +78,7 @@ def test_contract_detection_lists_found_and_expected(tmp_path):
 def test_ssd_heads_on_the_device_match_the_in_graph_nms(device, score_threshold):
     """The raw-heads model decoded by SsdHeads (torch) gives the shipped end-to-end model's detections."""
     from pipeline import Detector
-    from pipeline.source import list_images
+    from pipeline.listing import list_images
 
     def detections(config):
         detector = Detector.from_config(config, device=device, batch_size=8,
@@ -177,7 +177,7 @@ def test_ssd_heads_finish_an_image_that_does_not_converge_exactly(device, monkey
     only those) are done again exactly, and the detections are those of the default steps."""
     from pipeline import Detector
     from pipeline.contracts import ssd_heads
-    from pipeline.source import list_images
+    from pipeline.listing import list_images
 
     def detections():
         detector = Detector.from_config(ROOT / "configs" / "retinaface_mnet025_heads.yaml", device=device,
@@ -206,7 +206,7 @@ def test_ssd_heads_finish_an_image_that_does_not_converge_exactly(device, monkey
 def sample_detections(config: str, device: str = "cpu", overrides: tuple[str, ...] = ()):
     """The detector of configs/`config` at batch 8 and its detections of the six sample photos (one batch)."""
     from pipeline import Detector
-    from pipeline.source import list_images
+    from pipeline.listing import list_images
 
     detector = Detector.from_config(ROOT / "configs" / config, device=device, batch_size=8, overrides=overrides)
     (batch, found), = list(detector.stream(list_images(SAMPLES), on_error=lambda errors: None))
@@ -231,7 +231,7 @@ def test_the_default_config_on_the_gpu_finds_the_cpus_faces(batch_size):
     pipeline's threads) finds, image by image, the faces it finds on the CPU (the float32 model):
     within 3 px and 0.01 in score. 36 images: at batch 32 a full batch and a short one."""
     from pipeline import Detector
-    from pipeline.source import list_images
+    from pipeline.listing import list_images
 
     paths = [ref.path for ref in list_images(SAMPLES)] * 6
 

@@ -30,7 +30,7 @@ from pipeline.engine import Engine  # noqa: E402
 from pipeline.session import SCALAR_INPUTS  # noqa: E402
 from pipeline.contracts.retinanet_heads import RETINANET_METADATA, RetinaNetHeads  # noqa: E402
 from pipeline.postprocess import Thresholds, image_meta  # noqa: E402
-from pipeline.source import list_images  # noqa: E402
+from pipeline.listing import list_images  # noqa: E402
 
 SIZE = (512, 512)
 BATCH = 4

@@ -6,7 +6,8 @@ import pytest
 
 from pipeline.errors import SourceError
 from pipeline.results import ImageError, ImageRef
-from pipeline.source import EncodedImage, NotAFile, batched, list_images, read_checked, read_chunks, read_file
+from pipeline.source import EncodedImage, NotAFile, batched, read_checked, read_chunks, read_file
+from pipeline.listing import list_images
 
 from conftest import SAMPLES, gpudet, read_jsonl
 
@@ -229,7 +230,7 @@ def test_a_consumer_that_stops_early_does_not_wait_for_the_reads_ahead(monkeypat
 def test_a_folder_lists_what_pathlib_calls_an_image_sorted_as_pathlib_sorts(tmp_path):
     """The folder's walk keeps pathlib's order and suffixes (a name such as ..jpg has the suffix
     .jpg), links to files, and hidden files and folders; a link to a folder is not followed."""
-    from pipeline.source import IMAGE_EXTENSIONS, list_images
+    from pipeline.listing import IMAGE_EXTENSIONS, list_images
 
     for name in ["b.jpg", "a-b.png", "a/b.jpg", "a/c.txt", "..jpg", ".hidden/d.JPG", "e.webp"]:
         (tmp_path / "f" / name).parent.mkdir(parents=True, exist_ok=True)
@@ -246,7 +247,7 @@ def test_a_folder_is_read_by_content_follows_links_outside_it_once_and_counts_wh
     """A .jfif, a photo with no extension and a .heic holding JPEG bytes are listed, as a file list
     lists them; a text file and a real HEIC's bytes are skipped and counted; a linked folder outside
     the source is followed, and a loop of links through it walked once."""
-    from pipeline.source import list_images
+    from pipeline.listing import list_images
 
     jpeg = (SAMPLES / "grace_hopper.jpg").read_bytes()
     src, outside = tmp_path / "src", tmp_path / "elsewhere"
