@@ -59,6 +59,9 @@ class ModelConfig:
     score_activation: Literal["sigmoid", "softmax"] = "sigmoid"
     """set_prediction: how logits become scores: sigmoid (RT-DETR, D-FINE) or softmax (DETR, whose
     last class is "no object")."""
+    outputs: dict[str, str] = field(default_factory=dict)
+    """The model's outputs by the names its contract reads them by, where the export named them
+    otherwise: {the contract's name: the model's}, e.g. {logits: pred_logits, pred_boxes: boxes}."""
 
 
 @dataclass(frozen=True)
@@ -290,6 +293,11 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             with contextlib.suppress(ConfigError):
                 return _coerce(key, value, inner)
         return _coerce(key, value, inners[-1])
+    if origin is dict:
+        key_type, value_type = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, e.g. {{name: name}}, got {shown(value)}")
+        return {_coerce(f"{key} key", k, key_type): _coerce(f"{key}.{k}", v, value_type) for k, v in value.items()}
     if origin is tuple:
         item = typing.get_args(hint)[0]
         if not isinstance(value, (list, tuple)):

@@ -26,7 +26,7 @@ import torch
 
 from .config import Config, check_thresholds, class_numbers, load_config, option_overrides
 from .device import Device, free_bytes, resolve_device
-from .contracts import Contract, recognise
+from .contracts import Contract, Renamed, recognise, renamed
 from .engine import ORT_TO_TORCH, Engine, Launched
 from .errors import ConfigError
 from .postprocess import BadModelOutput, DeviceDetections, GraphCache, Thresholds, image_meta
@@ -48,7 +48,7 @@ class Detector:
     ...     print(result.path, len(result.scores))
     """
 
-    def __init__(self, *, engine: Engine, preprocessor: Preprocessor, postprocess: Contract,
+    def __init__(self, *, engine: Engine, preprocessor: Preprocessor, postprocess: Contract | Renamed,
                  thresholds: Thresholds, labels: list[str], contract: str, num_threads: int = 4,
                  max_pixels: int = 0, max_file_bytes: int = 0, max_batch_pixels: int = 0, prefetch_batches: int = 2,
                  scaled: ScaledDecode | None = None, scaled_share: float = 1.0, decode_threads: int = 1,
@@ -102,7 +102,8 @@ class Detector:
             log.info("%s takes batches of exactly %d images: run.batch_size %d -> %d", engine.model_path.name,
                      engine.declared_batch, r.batch_size, engine.declared_batch)
             config = dataclasses.replace(config, run=dataclasses.replace(r, batch_size=engine.declared_batch))
-        contract = recognise(engine.outputs, m.contract, engine.model_path, engine.model.metadata)
+        model = renamed(engine.model, m.outputs)
+        contract = recognise(model.outputs, m.contract, engine.model_path, model.metadata)
         image = engine.image_input
         if image.size_hw is not None and tuple(image.size_hw) != tuple(p.size):  # the records would name p.size
             h, w = image.size_hw
@@ -112,9 +113,11 @@ class Detector:
         height, width = image.size_hw or tuple(p.size)
         check_memory(target, batch_size=config.run.batch_size, height=height, width=width,
                      value_bytes=2 if image.dtype == "float16" else 4, batches=r.prefetch_batches + r.pipeline_depth)
-        postprocess = contract.from_config(engine.model, config, device=target.torch, input_hw=(height, width))
+        postprocess = contract.from_config(model, config, device=target.torch, input_hw=(height, width))
+        if m.outputs:
+            postprocess = Renamed(postprocess, m.outputs)
         # its GPU kernels compile on a thread while DALI builds its pipeline and ORT warms up
-        postprocess.compile_ahead({o.name: (ORT_TO_TORCH.get(o.dtype), o.shape) for o in engine.outputs})
+        postprocess.compile_ahead({o.name: (ORT_TO_TORCH.get(o.dtype), o.shape) for o in model.outputs})
         preprocessor = Preprocessor(
             device=target, batch_size=config.run.batch_size, num_threads=r.num_threads, height=height, width=width,
             resize=p.resize, channel_order=p.channel_order, mean=p.mean, std=p.std, pad_value=p.pad_value,

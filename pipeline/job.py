@@ -164,7 +164,7 @@ def check_model(config: Config, devices: list[str]) -> dict:
     CPU where set, both for "auto"), read before the output folder changes: a file that is not
     there, is no ONNX model, has no image input or fits no contract is one line here, not a
     failure of every worker. Returns what summary.json says of the one a GPU (else the CPU) loads."""
-    from .contracts import recognise
+    from .contracts import recognise, renamed
     from .session import declared, find_image_input
 
     on_cpu = sorted({False if d.startswith("cuda") else True for d in devices} |
@@ -172,7 +172,7 @@ def check_model(config: Config, devices: list[str]) -> dict:
     records = {}
     for cpu in on_cpu:
         path = resolve_model_path(config, on_cpu=cpu)
-        model = declared(path)
+        model = renamed(declared(path), config.model.outputs)
         find_image_input(model.inputs, path)
         records[cpu] = model.record(recognise(model.outputs, config.model.contract, path, model.metadata).name)
     return records[min(records)]  # False (a GPU's) sorts first

@@ -172,6 +172,18 @@ def box_columns(labels: torch.Tensor, scores: torch.Tensor, boxes: torch.Tensor,
             rows_to_original(boxes.reshape(batch, rows, 2, 2), meta)]
 
 
+def pack_detections(scores: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor, keep: torch.Tensor,
+                    flag: torch.Tensor, meta: torch.Tensor, max_detections: int) -> torch.Tensor:
+    """The block the host reads (pack_rows) from a batch's candidates, best first: scores [B, K],
+    labels [B, K], boxes [B, K, 4] x1y1x2y2 model-input pixels, keep [B, K] (at most
+    max_detections per image: kept_slots; packed in original pixels), flag [B] (settled).
+    Static shapes, no sync."""
+    slot, count, present = kept_slots(keep, max_detections)
+    columns = box_columns(labels.gather(1, slot), scores.gather(1, slot),
+                          boxes.gather(1, slot[..., None].expand(-1, -1, 4)), meta)
+    return pack_rows(torch.cat(columns, dim=-1), count, present, flag)
+
+
 @dataclass
 class PackedDetections:
     """A batch's final detections as the heads postprocess leaves them: one block on the device,

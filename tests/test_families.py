@@ -68,7 +68,7 @@ def test_anchor_free_keeps_what_ultralytics_nms_keeps(device, tmp_path):
                 "        np.save(f'kept_{k}_{b}.npy', kept.numpy())\n", tmp_path)
     head = torch.from_numpy(raw).to(device)
     for k, (threshold, iou, cap) in enumerate(settings):
-        found = AnchorFree(first=True, objectness=False, pre_nms_top_k=30000)(
+        found = AnchorFree(first=True, objectness=False, pre_nms_top_k=30000, device=torch.device(device))(
             {"output0": head}, identity_meta(3, 320, 320, device), num_images=3,
             thresholds=Thresholds(threshold, iou, cap)).to_host()
         for b in range(3):
@@ -132,6 +132,31 @@ def test_padded_end_to_end_drops_the_padding_and_maps_boxes_to_the_image(tmp_pat
     assert capped.returncode == 0, capped.stderr
     (record,) = read_jsonl(tmp_path / "capped" / "detections.jsonl")
     assert [d["score"] for d in record["detections"]] == [0.95, 0.6]
+
+
+def test_model_outputs_maps_names_no_contract_knows(tmp_path):
+    """An export that names its padded columns its own way is refused with a hint to map them;
+    model.outputs maps them ({the contract's name: the model's}) and the records are those of the
+    named export; a name the model lacks is one line naming its outputs."""
+    rows = np.array([[320, 0, 640, 160, 0.95, 0], [64, 64, 320, 320, 0.6, 2]], np.float32)
+    model = batched_constant_model(tmp_path / "own.onnx", {
+        "det_b": padded(rows)[:, :4], "det_s": padded(rows)[:, 4], "det_c": padded(rows)[:, 5].astype(np.int64)})
+    common = ["--model", model, "--device", "cpu", "--set", "model.landmarks=0", "--set", "model.labels=[a,b,c]",
+              "--score-threshold", "0.5"]
+    refused = gpudet("detect", SAMPLES / "astronaut.png", "--out", tmp_path / "refused", *common)
+    assert refused.returncode == 2 and "model.outputs" in refused.stderr and "Traceback" not in refused.stderr
+    mapped = gpudet("detect", SAMPLES / "astronaut.png", "--out", tmp_path / "mapped", *common,
+                    "--set", "model.outputs={boxes: det_b, scores: det_s, labels: det_c}")
+    assert mapped.returncode == 0, mapped.stderr
+    (record,) = read_jsonl(tmp_path / "mapped" / "detections.jsonl")
+    assert [(d["name"], d["score"], d["box"]) for d in record["detections"]] == [
+        ("a", 0.95, [256.0, 0.0, 512.0, 128.0]), ("c", 0.6, [51.2, 51.2, 256.0, 256.0])]
+    summary = (tmp_path / "mapped" / "summary.json").read_text()
+    assert '"padded_end_to_end"' in summary
+    wrong = gpudet("detect", SAMPLES / "astronaut.png", "--out", tmp_path / "wrong", *common,
+                   "--set", "model.outputs={boxes: det_box, scores: det_s, labels: det_c}")
+    assert wrong.returncode == 2 and "'det_box'" in wrong.stderr and "det_b float" in wrong.stderr
+    assert len([line for line in wrong.stderr.splitlines() if "ERROR" in line]) == 1, wrong.stderr
 
 
 @pytest.mark.parametrize("activation", ["sigmoid", "softmax"])

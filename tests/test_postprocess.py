@@ -130,11 +130,10 @@ def test_graph_cache_replays_on_what_the_buffers_hold_now(device):
 
 @cpu_and_cuda()
 def test_packed_rows_hold_each_images_kept_detections_best_first(device):
-    """RetinaNetHeads.pack (kept_slots, pack_rows) + PackedDetections against a per-image nonzero: the same rows,
+    """pack_detections (kept_slots, pack_rows) + PackedDetections against a per-image nonzero: the same rows,
     on the host and on the device; padding images dropped; an image with more detections than
     the reader's first copy holds is read in a second copy, and the next batch's copy is larger."""
-    from pipeline.contracts.retinanet_heads import RetinaNetHeads
-    from pipeline.postprocess import BlockReader, PackedDetections
+    from pipeline.postprocess import BlockReader, PackedDetections, pack_detections
 
     dev = torch.device(device)
     g = torch.Generator().manual_seed(0)
@@ -148,7 +147,7 @@ def test_packed_rows_hold_each_images_kept_detections_best_first(device):
     meta = meta_for(device, [[2.0, 2.0]] * batch, [[200, 150]] * batch)
     keep, scores, labels, boxes = (t.to(dev) for t in (keep, scores, labels, boxes))
 
-    block = RetinaNetHeads.pack(scores, labels, boxes, keep, torch.ones(batch, dtype=torch.bool, device=dev), meta, cap)
+    block = pack_detections(scores, labels, boxes, keep, torch.ones(batch, dtype=torch.bool, device=dev), meta, cap)
     reader = BlockReader()
 
     def packed():

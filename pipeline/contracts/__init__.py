@@ -18,6 +18,7 @@ detector runs (--devices workers and Ray actors too).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 from pathlib import Path
@@ -82,6 +83,45 @@ class Contract:
         raise NotImplementedError
 
 
+def static_outputs(model: ModelIO) -> bool:
+    """Whether every output's shape is known but for its batch size: the engine then binds buffers
+    of its own, the same every batch, and a postprocess over them can run as CUDA graphs (an
+    output sized by the data, or by a dimension gpudet does not fix, is ORT's new allocation each
+    batch)."""
+    return all(isinstance(d, int) for spec in model.outputs for d in spec.shape[1:])
+
+
+def renamed(model: ModelIO, names: dict[str, str]) -> ModelIO:
+    """The model with its outputs under the names model.outputs gives them ({the contract's name:
+    the model's}), for an export whose names no contract recognises; ModelError naming the model's
+    outputs for a name it does not have."""
+    if not names:
+        return model
+    have = {s.name for s in model.outputs}
+    unknown = [name for name in names.values() if name not in have]
+    if unknown:
+        raise ModelError(f"model.outputs names {', '.join(map(repr, unknown))}, which {model.path.name} does not "
+                         f"have; its outputs: {describe_io(model.outputs)}")
+    as_contract = {theirs: ours for ours, theirs in names.items()}
+    return dataclasses.replace(model, outputs=[dataclasses.replace(s, name=as_contract.get(s.name, s.name))
+                                               for s in model.outputs])
+
+
+class Renamed:
+    """A contract's postprocess over outputs that model.outputs names by hand: the engine's
+    outputs, by the model's names, reach it under the contract's."""
+
+    def __init__(self, postprocess: Contract, names: dict[str, str]):
+        self.postprocess, self.as_contract = postprocess, {theirs: ours for ours, theirs in names.items()}
+        self.captured, self.own_nms = postprocess.captured, postprocess.own_nms
+
+    def compile_ahead(self, outputs: dict[str, tuple]) -> None:
+        self.postprocess.compile_ahead(outputs)  # named as the contract names them (the renamed model's)
+
+    def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, **options):
+        return self.postprocess({self.as_contract.get(k, k): v for k, v in outputs.items()}, meta, **options)
+
+
 def known() -> list[type[Contract]]:
     """The contracts of this package, in the order `auto` tries them."""
     found = []
@@ -124,7 +164,8 @@ def recognise(outputs: list[TensorSpec], requested: str, model_path: Path,
         if contract.fits(outputs, metadata or {}):
             return contract
     raise ModelError(f"{model_path}: outputs do not fit the {requested} contract. Found: {describe_io(outputs)}. "
-                     f"Expected {'; '.join(c.expected() for c in candidates)}.")
+                     f"Expected {'; '.join(c.expected() for c in candidates)}. Where only the names differ, map "
+                     "them in the config: model.outputs: {the contract's name: the model's}.")
 
 
 def landmark_points(outputs: list[TensorSpec], requested: int, model_path: Path) -> int:

@@ -8,17 +8,20 @@ in the graph:
 model.objectness says which (auto: [B, N, C] has it, [B, C, N] has not). Each position's best
 class, the best postprocess.pre_nms_top_k positions per image over the threshold, then greedy
 per-class NMS on the device (nms.top_nms; exact_nms for an image it does not settle), at most
-max_detections per image.
+max_detections per image, packed for the host. Static shapes and no host sync up to the packed
+rows: on a GPU, one CUDA graph per output buffer where the export's shapes are static
+(`yolo export ... batch=16`, not `dynamic=True`, whose output ORT allocates anew each batch).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..kernels import compile_ahead
 from ..nms import exact_nms, top_nms
-from ..postprocess import DeviceDetections, Thresholds, to_original
+from ..postprocess import BlockReader, GraphCache, PackedDetections, Thresholds, pack_detections
 from ..session import TensorSpec
-from . import Contract
+from . import Contract, static_outputs
 
 
 def channels_first(shape: tuple) -> bool | None:
@@ -42,15 +45,21 @@ def ultralytics_head(metadata: dict[str, str]) -> bool:
 
 
 class AnchorFree(Contract):
-    """Decode, top-k, per-class NMS and the cap, on the outputs' device; host syncs: the images
-    top_nms did not settle (rare), and the count of rows kept."""
+    """Decode, top-k, per-class NMS and the cap, on the outputs' device; host syncs: the copy of
+    the packed rows, and the images top_nms did not settle (rare)."""
 
     name = "anchor_free"
     outputs = {}
     order = 70
+    captured = True
 
-    def __init__(self, *, first: bool, objectness: bool, pre_nms_top_k: int):
+    def __init__(self, *, first: bool, objectness: bool, pre_nms_top_k: int, device: torch.device,
+                 cuda_graphs: bool = True, nms_prefix: int = 1024):
         self.first, self.objectness, self.pre_nms_top_k = first, objectness, pre_nms_top_k
+        self.device, self.nms_prefix = device, nms_prefix
+        self.graphs = GraphCache(device)
+        self.graphs.enabled &= cuda_graphs
+        self.reader = BlockReader()
 
     @classmethod
     def fits(cls, outputs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bool:
@@ -75,11 +84,15 @@ class AnchorFree(Contract):
             first = True
         objectness = config.model.objectness
         return cls(first=first, objectness=(not first) if objectness == "auto" else bool(objectness),
-                   pre_nms_top_k=config.postprocess.pre_nms_top_k)
+                   pre_nms_top_k=config.postprocess.pre_nms_top_k, device=device, cuda_graphs=static_outputs(model))
 
-    def candidates(self, head: torch.Tensor, num_images: int, score_threshold: float):
+    def compile_ahead(self, outputs: dict[str, tuple]) -> None:
+        """Start compiling the Triton kernel NMS launches on a GPU (kernels.compile_ahead)."""
+        compile_ahead(self.device)
+
+    def candidates(self, head: torch.Tensor, num_images: torch.Tensor, score_threshold: float):
         """Each image's best positions, best first: boxes [B, k, 4] x1y1x2y2, scores, labels,
-        valid [B, k] (over the threshold, a real image)."""
+        valid [B, k] (over the threshold, a real image; num_images: [] int64 tensor)."""
         rows = head.float().transpose(1, 2) if self.first else head.float()  # [B, N, C]
         scores = rows[..., 5:] * rows[..., 4:5] if self.objectness else rows[..., 4:]
         best, labels = scores.max(dim=-1)
@@ -87,22 +100,32 @@ class AnchorFree(Contract):
         cxcywh = torch.gather(rows[..., :4], 1, index[..., None].expand(-1, -1, 4))
         centre, size = cxcywh.split(2, dim=-1)
         boxes = torch.cat([centre - size / 2, centre + size / 2], dim=-1)
-        valid = top >= score_threshold
-        valid[num_images:] = False
+        valid = (top >= score_threshold) & (torch.arange(len(top), device=top.device)[:, None] < num_images)
         return boxes, top, torch.gather(labels, 1, index), valid
 
+    def packed(self, head: torch.Tensor, num_images: torch.Tensor, meta: torch.Tensor, *, score_threshold: float,
+               iou_threshold: float, max_detections: int):
+        """The static-shape part: candidates, top_nms, the rows packed (flag: settled). Returns the
+        block and what exact_nms needs for an image it did not settle."""
+        boxes, scores, labels, valid = self.candidates(head, num_images, score_threshold)
+        keep, settled = top_nms(boxes, scores, labels, valid, iou_threshold=iou_threshold, max_kept=max_detections,
+                                prefix=self.nms_prefix)
+        return pack_detections(scores, labels, boxes, keep, settled, meta, max_detections), \
+            (boxes, scores, labels, valid, keep)
+
     def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, num_images: int,
-                 thresholds: Thresholds) -> DeviceDetections:
+                 thresholds: Thresholds) -> PackedDetections:
         (head,) = outputs.values()
-        meta = meta.to(head.device)
-        boxes, scores, labels, valid = self.candidates(head, num_images, thresholds.score_threshold)
-        keep, settled = top_nms(boxes, scores, labels, valid, iou_threshold=thresholds.iou_threshold,
-                                max_kept=thresholds.max_detections)
-        unsettled = (~settled[:num_images]).nonzero().flatten().tolist()
-        if unsettled:
-            keep = exact_nms(boxes, scores, labels, valid, iou_threshold=thresholds.iou_threshold,
-                             max_kept=thresholds.max_detections, images=unsettled, keep=keep)
-        image, column = keep.nonzero(as_tuple=True)  # one sync: the count
-        found = to_original(boxes[image, column].reshape(-1, 2, 2), image, meta).reshape(-1, 4)
-        return DeviceDetections(batch_index=image, boxes_xyxy=found, scores=scores[image, column],
-                                labels=labels[image, column].long(), landmarks=None)
+        block, (boxes, scores, labels, valid, keep) = self.graphs(
+            self.packed, (head,), (torch.tensor(num_images), meta), score_threshold=thresholds.score_threshold,
+            iou_threshold=thresholds.iou_threshold, max_detections=thresholds.max_detections)
+
+        def settle(images: list[int]) -> torch.Tensor:
+            """The block with `images` done exactly: they need more than top_nms's prefix or steps."""
+            exact = exact_nms(boxes, scores, labels, valid, iou_threshold=thresholds.iou_threshold,
+                              max_kept=thresholds.max_detections, images=images, keep=keep)
+            return pack_detections(scores, labels, boxes, exact, torch.ones_like(valid[:, 0]), meta.to(block.device),
+                                   thresholds.max_detections)
+
+        return PackedDetections(block=block, num_landmarks=0, num_images=num_images, reader=self.reader,
+                                settle=settle)

@@ -10,15 +10,17 @@ layout):
     num_dets     [B] or [B, 1]  optional: each image's rows that are detections
 
 The padding is dropped on the device: the rows past num_dets, or, without it, those of score 0.
+Static shapes and no host sync up to the packed rows: on a GPU, one CUDA graph per output buffer
+where the export's shapes are static.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..postprocess import DeviceDetections, Thresholds, to_original
+from ..postprocess import BlockReader, GraphCache, PackedDetections, Thresholds, pack_detections
 from ..session import TensorSpec
-from . import Contract
+from . import Contract, static_outputs
 
 MAX_PADDED_ROWS = 1000
 """A [B, M, 6] output with more rows than this is no padded list of detections but a dense head
@@ -39,12 +41,18 @@ def named(outputs, names: tuple[str, ...]):
 
 class PaddedEndToEnd(Contract):
     """Drop the padding, threshold, cap per image (best first), undo the resize/letterbox and
-    clip, on the outputs' device; one host sync (the count of rows kept)."""
+    clip, on the outputs' device; one host sync (the rows' copy)."""
 
     name = "padded_end_to_end"
     outputs = {}
     order = 50
     own_nms = True
+    captured = True
+
+    def __init__(self, *, device: torch.device, cuda_graphs: bool = True):
+        self.graphs = GraphCache(device)
+        self.graphs.enabled &= cuda_graphs
+        self.reader = BlockReader()
 
     @classmethod
     def fits(cls, outputs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bool:
@@ -77,7 +85,7 @@ class PaddedEndToEnd(Contract):
 
     @classmethod
     def from_config(cls, model, config, *, device, input_hw) -> PaddedEndToEnd:
-        return cls()
+        return cls(device=device, cuda_graphs=static_outputs(model))
 
     def columns(self, outputs: dict[str, torch.Tensor]):
         """(boxes [B, M, 4], scores [B, M], labels [B, M], count [B] or None)."""
@@ -88,21 +96,26 @@ class PaddedEndToEnd(Contract):
         return (named(outputs, BOXES), named(outputs, SCORES), named(outputs, LABELS),
                 None if count is None else count.reshape(-1))
 
-    def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, num_images: int,
-                 thresholds: Thresholds) -> DeviceDetections:
-        boxes, scores, labels, count = self.columns(outputs)
+    def packed(self, *tensors: torch.Tensor, score_threshold: float, max_detections: int) -> torch.Tensor:
+        """The rows packed for the host (pack_detections). tensors: boxes, scores, labels, [count,]
+        num_images [] int64, meta [B, 6]."""
+        boxes, scores, labels, *count, num_images, meta = tensors
         scores = scores.float()
-        meta = meta.to(scores.device)
         batch, rows = scores.shape
         slot = torch.arange(rows, device=scores.device)
-        present = slot[None] < count.to(scores.device).long()[:, None] if count is not None else scores > 0
-        keep = present & (scores >= thresholds.score_threshold)
-        keep[num_images:] = False
-        # Best first within each image, then the first max_detections of those kept.
+        present = slot[None] < count[0].to(scores.device).reshape(-1, 1).long() if count else scores > 0
+        keep = present & (scores >= score_threshold) & (torch.arange(batch, device=scores.device)[:, None] < num_images)
         order = torch.argsort(torch.where(keep, scores, float("-inf")), dim=1, descending=True, stable=True)
-        kept = torch.gather(keep, 1, order) & (slot[None] < thresholds.max_detections)
-        image, column = kept.nonzero(as_tuple=True)  # one sync: the count
-        row = order[image, column]
-        found = to_original(boxes[image, row].float().reshape(-1, 2, 2), image, meta).reshape(-1, 4)
-        return DeviceDetections(batch_index=image, boxes_xyxy=found, scores=scores[image, row],
-                                labels=labels[image, row].long(), landmarks=None)
+        keep = keep.gather(1, order)
+        keep &= torch.cumsum(keep, dim=1) <= max_detections  # best first, so this caps per image
+        return pack_detections(scores.gather(1, order), labels.gather(1, order),
+                               boxes.float().gather(1, order[..., None].expand(-1, -1, 4)), keep,
+                               torch.ones_like(keep[:, 0]), meta, max_detections)
+
+    def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, num_images: int,
+                 thresholds: Thresholds) -> PackedDetections:
+        buffers = tuple(t for t in self.columns(outputs) if t is not None)
+        block = self.graphs(self.packed, buffers, (torch.tensor(num_images), meta),
+                            score_threshold=thresholds.score_threshold, max_detections=thresholds.max_detections)
+        return PackedDetections(block=block, num_landmarks=0, num_images=num_images, reader=self.reader,
+                                settle=lambda images: block)  # NMS in the model: every image is settled

@@ -10,8 +10,8 @@ import torch
 from ..errors import ModelError
 from ..kernels import compile_ahead, row_max
 from ..nms import exact_nms, top_nms
-from ..postprocess import BlockReader, Compiled, GraphCache, PackedDetections, Thresholds, box_columns, kept_slots, \
-    maybe_compiled, pack_rows
+from ..postprocess import BlockReader, Compiled, GraphCache, PackedDetections, Thresholds, maybe_compiled, \
+    pack_detections
 from . import Contract
 
 
@@ -164,15 +164,8 @@ class RetinaNetHeads(Contract):
         block and kept's tensors (for the exact path of an unsettled image)."""
         scores, labels, boxes, valid, keep, settled = self.kept(logits, regression, num_images,
                                                                 max_detections=max_detections, **options)
-        block = self.pack(scores, labels, boxes, keep, settled, meta, max_detections)
+        block = pack_detections(scores, labels, boxes, keep, settled, meta, max_detections)
         return block, (scores, labels, boxes, valid, keep)
-
-    @staticmethod
-    def pack(scores, labels, boxes, keep, flag, meta, max_detections: int) -> torch.Tensor:
-        slot, count, present = kept_slots(keep, max_detections)
-        columns = box_columns(labels.gather(1, slot), scores.gather(1, slot),
-                              boxes.gather(1, slot[..., None].expand(-1, -1, 4)), meta)
-        return pack_rows(torch.cat(columns, dim=-1), count, present, flag)
 
     def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, num_images: int,
                  thresholds: Thresholds) -> PackedDetections:
@@ -187,8 +180,8 @@ class RetinaNetHeads(Contract):
             """The block with `images` done exactly: they need more than the graph's prefix or steps."""
             exact = exact_nms(boxes, scores, labels, valid, iou_threshold=thresholds.iou_threshold,
                               max_kept=max_detections, images=images, keep=keep)
-            return self.pack(scores, labels, boxes, exact, torch.ones_like(valid[:, 0]), meta.to(block.device),
-                             max_detections)
+            return pack_detections(scores, labels, boxes, exact, torch.ones_like(valid[:, 0]), meta.to(block.device),
+                                   max_detections)
 
         return PackedDetections(block=block, num_landmarks=0, num_images=num_images, reader=self.reader,
                                 settle=settle)

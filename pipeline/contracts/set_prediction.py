@@ -7,16 +7,17 @@ queries and need no NMS:
 Recognised by those names (transformers' exports), or as the two rank-3 outputs of one Q whose
 last sizes are 4 and K. Scores as model.score_activation says: sigmoid (RT-DETR and its focal-loss
 kin: the best `Q` (query, class) pairs over all classes, as transformers' RT-DETR postprocess takes
-them) or softmax (DETR: each query's best class but the last).
+them) or softmax (DETR: each query's best class but the last). Static shapes and no host sync up
+to the packed rows: on a GPU, one CUDA graph per output buffer where the export's shapes are static.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..postprocess import DeviceDetections, Thresholds, to_original
+from ..postprocess import BlockReader, GraphCache, PackedDetections, Thresholds, pack_detections
 from ..session import TensorSpec
-from . import Contract
+from . import Contract, static_outputs
 
 
 MAX_QUERIES = 1000
@@ -45,16 +46,23 @@ def pair(outputs) -> tuple | None:
 
 
 class SetPrediction(Contract):
-    """Scores from the logits, the best pairs per image, boxes to model-input pixels, then the
-    resize/letterbox undone and clipped, on the outputs' device; one host sync."""
+    """Scores from the logits, the best pairs per image, boxes to model-input pixels, packed with
+    the resize/letterbox undone and clipped, on the outputs' device; one host sync (the rows' copy)."""
 
     name = "set_prediction"
     outputs = {}
     order = 60
     own_nms = True
+    captured = True
 
-    def __init__(self, *, activation: str, input_hw: tuple[int, int]):
-        self.activation, self.input_hw = activation, input_hw
+    def __init__(self, *, activation: str, input_hw: tuple[int, int], device: torch.device,
+                 cuda_graphs: bool = True):
+        self.activation = activation
+        height, width = input_hw
+        self.box_scale = torch.tensor([width, height, width, height], dtype=torch.float32, device=device)
+        self.graphs = GraphCache(device)
+        self.graphs.enabled &= cuda_graphs
+        self.reader = BlockReader()
 
     @classmethod
     def why(cls, outputs: list[TensorSpec], metadata: dict[str, str] | None = None) -> str:
@@ -72,13 +80,13 @@ class SetPrediction(Contract):
 
     @classmethod
     def from_config(cls, model, config, *, device, input_hw) -> SetPrediction:
-        return cls(activation=config.model.score_activation, input_hw=input_hw)
+        return cls(activation=config.model.score_activation, input_hw=input_hw, device=device,
+                   cuda_graphs=static_outputs(model))
 
-    def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, num_images: int,
-                 thresholds: Thresholds) -> DeviceDetections:
-        logits, cxcywh = pair(outputs)
+    def packed(self, logits: torch.Tensor, cxcywh: torch.Tensor, num_images: torch.Tensor, meta: torch.Tensor, *,
+               score_threshold: float, max_detections: int) -> torch.Tensor:
+        """The rows packed for the host (pack_detections); num_images: [] int64 tensor."""
         logits = logits.float()
-        meta = meta.to(logits.device)
         batch, queries, classes = logits.shape
         if self.activation == "softmax":  # DETR: the last class is "no object"
             scores, labels = logits.softmax(dim=-1)[..., :-1].max(dim=-1)
@@ -88,14 +96,15 @@ class SetPrediction(Contract):
             scores, labels, query = top, flat % classes, flat // classes
         order = torch.argsort(scores, dim=1, descending=True, stable=True)
         scores, labels, query = (torch.gather(t, 1, order) for t in (scores, labels, query))
-        rank = torch.arange(queries, device=logits.device)[None]
-        keep = (scores >= thresholds.score_threshold) & (rank < thresholds.max_detections)
-        keep[num_images:] = False
-        image, column = keep.nonzero(as_tuple=True)  # one sync: the count
-        height, width = self.input_hw
-        centre, size = cxcywh[image, query[image, column]].float().split(2, dim=1)
-        scale = centre.new_tensor([width, height])
-        corners = torch.stack([(centre - size / 2) * scale, (centre + size / 2) * scale], dim=1)  # [M, 2, 2]
-        found = to_original(corners, image, meta).reshape(-1, 4)
-        return DeviceDetections(batch_index=image, boxes_xyxy=found, scores=scores[image, column],
-                                labels=labels[image, column].long(), landmarks=None)
+        keep = (scores >= score_threshold) & (torch.arange(batch, device=logits.device)[:, None] < num_images)
+        keep &= torch.cumsum(keep, dim=1) <= max_detections  # best first, so this caps per image
+        centre, size = cxcywh.float().gather(1, query[..., None].expand(-1, -1, 4)).split(2, dim=-1)
+        corners = torch.cat([centre - size / 2, centre + size / 2], dim=-1) * self.box_scale  # [B, Q, 4]
+        return pack_detections(scores, labels, corners, keep, torch.ones_like(keep[:, 0]), meta, max_detections)
+
+    def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, num_images: int,
+                 thresholds: Thresholds) -> PackedDetections:
+        block = self.graphs(self.packed, pair(outputs), (torch.tensor(num_images), meta),
+                            score_threshold=thresholds.score_threshold, max_detections=thresholds.max_detections)
+        return PackedDetections(block=block, num_landmarks=0, num_images=num_images, reader=self.reader,
+                                settle=lambda images: block)  # no NMS: every image is settled
