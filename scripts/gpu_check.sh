@@ -10,6 +10,7 @@
 #   OUT=DIR bash scripts/gpu_check.sh photos      # 12 MP photos: bench and detect, scaled decode off and on, same faces
 #   OUT=DIR bash scripts/gpu_check.sh coco        # COCO-sized JPEGs and the mixed set: bench, and detect over 20,000
 #   OUT=DIR BEFORE=DIR bash scripts/gpu_check.sh ab  # BEFORE and this tree in turn, ROUNDS times: bench and detect
+#   OUT=DIR YOLO_MODELS="a.onnx b.onnx" bash scripts/gpu_check.sh yolo  # YOLO exports: bench beside ORT alone
 #
 # BEFORE=DIR (a checkout's root) also runs that tree beside this one, for before/after (retinaface, coco).
 set -uo pipefail
@@ -144,8 +145,19 @@ case "${1:-}" in
       for tree in before now; do timed_detect "x28_${tree}_$round" "$tree" "$IMAGES/jpg_x28.txt"; done
     done
     ;;
+  yolo)
+    # YOLO exports (absolute paths, a fixed batch: yolo export format=onnx batch=32) with the
+    # yolo_coco preset on the crops, detections reaching the host. YOLO_SET: the load's --set
+    # options (random weights score alike: a threshold of 0 and a cap give every image its cap).
+    versions | tee "$OUT/versions.txt"
+    image_set
+    for model in ${YOLO_MODELS:?}; do
+      bench "yolo_$(basename "$model" .onnx)" now "$IMAGES/jpg.txt" 4000 --config yolo_coco --naive-limit 200 \
+        --set "model.path=$model" ${YOLO_SET:-}
+    done
+    ;;
   *)
-    echo "usage: OUT=DIR bash scripts/gpu_check.sh tests|retinaface|retinanet|ray|sets|photos|coco|ab" >&2
+    echo "usage: OUT=DIR bash scripts/gpu_check.sh tests|retinaface|retinanet|ray|sets|photos|coco|ab|yolo" >&2
     exit 2
     ;;
 esac
