@@ -80,6 +80,11 @@ class OutputWriteError(GpudetError, OSError):
         super().__init__(f"writing {path} failed: {reason}; {advice}")
 
 
+class CredentialsRefused(GpudetError, PermissionError):
+    """The object store refuses objects it served before in this run: the credentials expired or
+    were revoked. The run stops (exit 2); what was recorded stays, for --resume."""
+
+
 class GpuOutOfMemory(GpudetError, RuntimeError):
     """The model ran out of GPU memory even on one image, or retrying in halves is off."""
 

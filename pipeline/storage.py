@@ -11,7 +11,9 @@ A source's objects are fetched many at once (fsspec's `cat` of a reading thread'
 batch: tens of requests in flight over the reading threads); a transient failure (a 5xx status,
 throttling, a connection reset, a timeout) is tried again with backoff, TRIES times in all, then
 the image is recorded `unreadable` with the error; a missing object is `missing` and a refused one
-`forbidden` at once.
+`forbidden` at once. A refusal of an object the store served before in this run is no object's
+fault but the credentials' (expired, revoked): the run stops there, with one line, exit 2, and what
+was recorded stays for --resume.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import re
 import time
 from functools import lru_cache
 
-from .errors import ConfigError, SourceError
+from .errors import ConfigError, CredentialsRefused, SourceError
 
 SCHEMES = {"s3": "s3fs (pip install 'gpudet[s3]')", "gs": "gcsfs (pip install 'gpudet[gcs]')",
            "gcs": "gcsfs (pip install 'gpudet[gcs]')", "az": "adlfs (pip install 'gpudet[azure]')",
@@ -154,9 +156,31 @@ def classified(error: BaseException) -> Unreadable:
     return Unreadable("unreadable", f"cannot fetch it after {TRIES} tries: {' '.join(str(error).split())[:200]}")
 
 
+READ_BEFORE: dict[int, str] = {}
+"""Per filesystem (its id), the path of one object it served in this process."""
+
+
+def check_credentials(fs, refused_url: str) -> None:
+    """After a refusal: CredentialsRefused if an object this filesystem served before is refused
+    now too (one HEAD request); else the refused objects are the objects' own matter."""
+    known = READ_BEFORE.get(id(fs))
+    if known is None:
+        return
+    try:
+        fs.info(known)
+    except PermissionError as e:
+        raise CredentialsRefused(
+            f"{refused_url}: the store refuses objects it served earlier in this run ({' '.join(str(e).split())[:120]}): "
+            "the credentials expired or were revoked; renew them and run the same command with --resume (the "
+            "records written so far are kept)") from None
+    except OSError:  # the store unreachable for the moment: the transient path records that
+        return
+
+
 def fetch(urls: list[str]) -> dict[str, bytes | Unreadable]:
     """Each URL's bytes, fetched concurrently, or why it could not be (Unreadable); transient
-    failures tried again with backoff."""
+    failures tried again with backoff. CredentialsRefused where the store stops honouring the
+    credentials mid-run (check_credentials)."""
     results: dict[str, bytes | Unreadable] = {}
     by_fs: dict[int, tuple] = {}
     for url in urls:
@@ -174,6 +198,7 @@ def fetch(urls: list[str]) -> dict[str, bytes | Unreadable]:
                 value = got.get(path)
                 if isinstance(value, bytes):
                     results[paths[path]] = value
+                    READ_BEFORE.setdefault(id(fs), path)
                 elif value is not None and transient(value) and attempt + 1 < TRIES:
                     again.append(path)
                 else:
@@ -182,6 +207,9 @@ def fetch(urls: list[str]) -> dict[str, bytes | Unreadable]:
                 break
             time.sleep(wait)
             todo, wait = again, wait * 2
+        refused = [url for url in paths.values() if getattr(results.get(url), "reason", None) == "forbidden"]
+        if refused:
+            check_credentials(fs, refused[0])
     return results
 
 

@@ -89,6 +89,64 @@ def test_a_glob_a_list_of_urls_and_missing_objects_and_resume(s3, tmp_path):
         ["00000000_astronaut.jpg", "00000001_camera.jpg"], drawn.stderr
 
 
+def moto_process(port: int, *, authorised_requests: float = float("inf")):
+    """moto's S3 server in a process of its own, with the samples under s3://photos/set/, that
+    honours the credentials for its first `authorised_requests` requests (setting up included) and
+    refuses every one after, as a store does once a session token expires."""
+    import subprocess
+    import sys
+    import time
+
+    import boto3
+
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": str(authorised_requests)}
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    client = boto3.client("s3", endpoint_url=endpoint, **{k.lower(): v for k, v in CREDENTIALS.items()
+                                                          if k != "AWS_DEFAULT_REGION"}, region_name="us-east-1")
+    for _ in range(100):
+        try:
+            client.create_bucket(Bucket="photos")
+            break
+        except Exception:  # not listening yet
+            time.sleep(0.1)
+    for name in IMAGES:
+        client.put_object(Bucket="photos", Key=f"set/{name}", Body=(SAMPLES / name).read_bytes())
+    return server, endpoint
+
+
+def test_credentials_refused_mid_run_stop_it_with_one_line_and_resume_finishes(tmp_path):
+    """The store honours the credentials for the first images and refuses everything after: exit 2,
+    one line saying so and what to do, the images read before recorded (none recorded forbidden);
+    --resume against a store that honours them records the rest, each image once."""
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"s3://photos/set/{name}\n" for name in IMAGES * 4))  # 24 images
+    port = free_port()
+    server, endpoint = moto_process(port, authorised_requests=1 + len(IMAGES) + 16)  # the bucket, the uploads, 16 reads
+    try:
+        run = on_s3("detect", listing, "--out", tmp_path / "o", "--batch-size", "2", "--set", "run.num_threads=1",
+                    endpoint=endpoint)
+    finally:
+        server.terminate()
+        server.wait()
+    assert run.returncode == 2, run.stderr
+    errors = [line for line in run.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "credentials" in errors[0] and "--resume" in errors[0], run.stderr
+    assert "Traceback" not in run.stderr
+    recorded = read_jsonl(tmp_path / "o" / "detections.jsonl")
+    failed = read_jsonl(tmp_path / "o" / "errors.jsonl") if (tmp_path / "o" / "errors.jsonl").exists() else []
+    assert 0 < len(recorded) < 24 and not failed, (len(recorded), failed, run.stderr)
+    server, endpoint = moto_process(port)
+    try:
+        again = on_s3("detect", listing, "--out", tmp_path / "o", "--resume", endpoint=endpoint)
+    finally:
+        server.terminate()
+        server.wait()
+    assert again.returncode == 0, again.stderr
+    assert sorted(r["index"] for r in read_jsonl(tmp_path / "o" / "detections.jsonl")) == list(range(24))
+
+
 class Flaky(http.server.SimpleHTTPRequestHandler):
     """Serves samples/; every `fail_every`-th request for an image gets a 503; /forbidden/ a 403."""
 
