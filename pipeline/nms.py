@@ -151,21 +151,25 @@ def exact_nms(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor, 
               iou_threshold: float, max_kept: int, images: list[int] | None = None, keep: torch.Tensor | None = None,
               first_prefix: int = 2048, check_every: int = 8) -> torch.Tensor:
     """top_nms's slow path, exact whatever the data, for `images` (default all; the other rows of
-    `keep` are kept): image by image, on a prefix of the candidates that doubles until it
-    settles the image, iterating to the fixed point with a host check every `check_every` steps.
-    It syncs with the host; top_nms does not."""
+    `keep` are kept): those images at once, on a prefix of the candidates that doubles for the
+    images it does not settle, iterating to the fixed point with a host check every `check_every`
+    steps. It syncs with the host; top_nms does not."""
     keep = torch.zeros_like(valid) if keep is None else keep.clone()
-    counts = valid.sum(dim=1).tolist()
-    for b in range(len(valid)) if images is None else images:
-        keep[b] = False
-        count, m = counts[b], min(first_prefix, counts[b])
-        while m:
-            found, _ = batched_nms(boxes[b:b + 1, :m], scores[b:b + 1, :m], classes[b:b + 1, :m],
-                                   valid[b:b + 1, :m], iou_threshold=iou_threshold, max_iterations=m,
-                                   sync_every=check_every)
-            found = found[0] & (torch.cumsum(found[0], dim=0) <= max_kept)
-            if m == count or int(found.sum()) >= max_kept:
-                keep[b, :m] = found
-                break
-            m = min(2 * m, count)
+    counts = valid.sum(dim=1).tolist()  # valid is a prefix of each row
+    todo = list(range(len(valid))) if images is None else list(images)
+    prefix = first_prefix
+    while todo:
+        width = min(prefix, max(counts[b] for b in todo))
+        rows = torch.tensor(todo, device=valid.device)
+        keep[rows] = False
+        if width == 0:  # nothing valid left in any of them
+            break
+        found, _ = batched_nms(boxes[rows, :width], scores[rows, :width], classes[rows, :width], valid[rows, :width],
+                               iou_threshold=iou_threshold, max_iterations=width, sync_every=check_every)
+        found &= torch.cumsum(found, dim=1) <= max_kept
+        kept = found.sum(dim=1).tolist()
+        keep[rows, :width] = found
+        # settled: every valid candidate looked at, or max_kept kept before the ones not looked at
+        todo = [b for b, n in zip(todo, kept) if width < counts[b] and n < max_kept]
+        prefix = 2 * width
     return keep
