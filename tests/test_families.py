@@ -101,6 +101,65 @@ def test_a_yolo_export_runs_through_detect_and_devices_with_the_preset(yolo11n, 
     assert "anchor_free" in inspect.stdout, inspect.stdout
 
 
+@pytest.fixture(scope="module")
+def rtdetr(tmp_path_factory):
+    """RT-DETR-l (COCO's 80 classes) with seeded random weights, built by Ultralytics from its model
+    YAML and exported at 320x320 with a dynamic batch: output0 [B, 300, 6]."""
+    folder = tmp_path_factory.mktemp("rtdetr")
+    ultralytics("import torch\nfrom ultralytics import RTDETR\ntorch.manual_seed(0)\n"
+                "RTDETR('rtdetr-l.yaml').export(format='onnx', simplify=False, imgsz=320, dynamic=True)\n", folder)
+    return folder / "rtdetr-l.onnx"
+
+
+@cpu_and_cuda()
+def test_set_prediction_keeps_what_ultralytics_rtdetr_keeps(rtdetr, device, tmp_path):
+    """The RT-DETR export's raw output through gpudet's contract and through Ultralytics' own
+    RTDETRPredictor.postprocess, for two images stretched to 320x320 from other sizes: the same
+    boxes (within 1 px), scores and classes; then the export through `gpudet detect` with the
+    rtdetr_coco preset, recognised as set_prediction."""
+    import onnxruntime as ort
+
+    from pipeline.contracts.set_prediction import SetPrediction
+    from pipeline.postprocess import image_meta
+
+    images = np.random.default_rng(0).random((2, 3, 320, 320), dtype=np.float32)
+    raw = ort.InferenceSession(str(rtdetr), providers=["CPUExecutionProvider"]).run(None, {"images": images})[0]
+    np.save(tmp_path / "raw.npy", raw)
+    sizes = [(480, 640), (300, 451)]
+    settings = ((0.0, 300), (float(np.median(raw[..., 4])), 50))
+    ultralytics("import numpy as np, torch\nfrom types import SimpleNamespace\n"
+                "from ultralytics.models.rtdetr.predict import RTDETRPredictor\n"
+                "raw = torch.from_numpy(np.load('raw.npy'))\n"
+                f"for k, (conf, most) in enumerate({settings!r}):\n"
+                "    p = RTDETRPredictor(overrides={'conf': conf, 'max_det': most, 'verbose': False})\n"
+                "    p.model, p.batch = SimpleNamespace(names={i: str(i) for i in range(80)}), (['a', 'b'],)\n"
+                f"    originals = [np.zeros((h, w, 3), np.uint8) for h, w in {sizes!r}]\n"
+                "    for b, result in enumerate(p.postprocess(raw, None, originals)):\n"
+                "        np.save(f'kept_{k}_{b}.npy', result.boxes.data.numpy())\n", tmp_path)
+    contract = SetPrediction(activation="sigmoid", input_hw=(320, 320), device=torch.device(device), rows=True)
+    orig_hw = np.array(sizes, np.int64)
+    meta = image_meta(320 / orig_hw.astype(np.float32), np.zeros((2, 2), np.float32), orig_hw)
+    for k, (threshold, cap) in enumerate(settings):
+        found = contract({"output0": torch.from_numpy(raw).to(device)}, meta, num_images=2,
+                         thresholds=Thresholds(threshold, 0.7, cap)).to_host()
+        for b in range(2):
+            theirs = np.load(tmp_path / f"kept_{k}_{b}.npy")
+            rows = found.batch_index == b
+            ours = np.concatenate([found.boxes_xyxy[rows], found.scores[rows, None], found.labels[rows, None]], axis=1)
+            assert len(ours) == len(theirs) > 0, (threshold, b, len(ours), len(theirs))
+            ours, theirs = (a[np.lexsort((a[:, 0], a[:, 1], -a[:, 4]))] for a in (ours, theirs))
+            height, width = sizes[b]
+            theirs[:, :4] = np.clip(theirs[:, :4], 0, [width, height, width, height])
+            assert np.abs(ours[:, :4] - theirs[:, :4]).max() <= 1.0
+            assert np.allclose(ours[:, 4], theirs[:, 4], atol=1e-5) and (ours[:, 5] == theirs[:, 5]).all()
+    run = gpudet("detect", SAMPLES, "--out", tmp_path / "o", "--config", "rtdetr_coco", "--model", rtdetr, "--device",
+                 device, "--set", "preprocess.size=[320,320]", "--score-threshold", "0")
+    assert run.returncode == 0, run.stderr
+    records = read_jsonl(tmp_path / "o" / "detections.jsonl")
+    assert len(records) == 6 and all(len(r["detections"]) == 300 for r in records)
+    assert '"set_prediction"' in (tmp_path / "o" / "summary.json").read_text()
+
+
 def padded(rows: np.ndarray, size: int = 300) -> np.ndarray:
     out = np.zeros((size, 6), np.float32)
     out[:len(rows)] = rows
@@ -208,3 +267,8 @@ def test_the_families_are_told_apart_by_their_outputs():
         assert recognise(outputs, "auto", Path("m.onnx")).name == expected
     single_class_v5 = [spec("output0", 1, 25200, 6)]  # dense: more rows than any padded list
     assert recognise(single_class_v5, "auto", Path("m.onnx")).name == "anchor_free"
+    rtdetr = {"task": "detect", "head": "RTDETRDecoder", "end2end": "False"}  # Ultralytics' RT-DETR: its queries
+    for outputs in ([spec("output0", "batch", "d1", "anchors")], [spec("output0", 1, 300, 6)]):
+        assert recognise(outputs, "auto", Path("m.onnx"), rtdetr).name == "set_prediction"
+    yolo = {"task": "detect", "head": "Detect", "end2end": "False"}
+    assert recognise([spec("output0", "batch", "d1", "anchors")], "auto", Path("m.onnx"), yolo).name == "anchor_free"

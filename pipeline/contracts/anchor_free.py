@@ -22,6 +22,7 @@ from ..nms import exact_nms, top_nms
 from ..postprocess import BlockReader, GraphCache, PackedDetections, Thresholds, pack_detections
 from ..session import TensorSpec
 from . import Contract, static_outputs
+from .set_prediction import ultralytics_rtdetr
 
 
 def channels_first(shape: tuple) -> bool | None:
@@ -41,7 +42,7 @@ def ultralytics_head(metadata: dict[str, str]) -> bool:
     """An Ultralytics export of a detect head with no NMS in its graph (its metadata_props say so),
     whose output's sizes may all be symbolic."""
     return metadata.get("task") == "detect" and metadata.get("end2end", "False") != "True" and \
-        "'nms': True" not in metadata.get("args", "")
+        "'nms': True" not in metadata.get("args", "") and not ultralytics_rtdetr(metadata)
 
 
 class AnchorFree(Contract):
@@ -63,7 +64,7 @@ class AnchorFree(Contract):
 
     @classmethod
     def fits(cls, outputs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bool:
-        return len(outputs) == 1 and len(outputs[0].shape) == 3 and (
+        return len(outputs) == 1 and len(outputs[0].shape) == 3 and not ultralytics_rtdetr(metadata or {}) and (
             channels_first(outputs[0].shape) is not None or ultralytics_head(metadata or {}))
 
     @classmethod

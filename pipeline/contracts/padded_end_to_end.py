@@ -21,6 +21,7 @@ import torch
 from ..postprocess import BlockReader, GraphCache, PackedDetections, Thresholds, pack_detections
 from ..session import TensorSpec
 from . import Contract, static_outputs
+from .set_prediction import ultralytics_rtdetr
 
 MAX_PADDED_ROWS = 1000
 """A [B, M, 6] output with more rows than this is no padded list of detections but a dense head
@@ -56,7 +57,7 @@ class PaddedEndToEnd(Contract):
 
     @classmethod
     def fits(cls, outputs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bool:
-        return cls.layout(outputs) is not None
+        return cls.layout(outputs) is not None and not ultralytics_rtdetr(metadata or {})  # its rows: set_prediction
 
     @classmethod
     def why(cls, outputs: list[TensorSpec], metadata: dict[str, str] | None = None) -> str:

@@ -5,7 +5,13 @@ queries and need no NMS:
     pred_boxes  [B, Q, 4]   centre x, centre y, width, height over the model input's width and height
 
 Recognised by those names (transformers' exports), or as the two rank-3 outputs of one Q whose
-last sizes are 4 and K. Scores as model.score_activation says: sigmoid (RT-DETR and its focal-loss
+last sizes are 4 and K. Ultralytics' RT-DETR export (its metadata names the RTDETRDecoder head)
+writes one output instead, its queries' boxes as above, then
+
+    [B, Q, 6]     score, class: the decoder's best (query, class) pairs (Ultralytics 8.4 on)
+ or [B, Q, 4+K]   each class's probability: a query's best class is its (Ultralytics 8.3)
+
+and is scored as Ultralytics' RTDETRPredictor does. Scores as model.score_activation says: sigmoid (RT-DETR and its focal-loss
 kin: the best `Q` (query, class) pairs over all classes, as transformers' RT-DETR postprocess takes
 them) or softmax (DETR: each query's best class but the last). Static shapes and no host sync up
 to the packed rows: on a GPU, one CUDA graph per output buffer where the export's shapes are static.
@@ -23,6 +29,12 @@ from . import Contract, static_outputs
 MAX_QUERIES = 1000
 """Two unnamed outputs [B, Q, K] and [B, Q, 4] with more rows than this are a dense detector's
 heads (RetinaNet's 120,087 anchors), not a set of queries (DETR's 100, RT-DETR's 300)."""
+
+
+def ultralytics_rtdetr(metadata: dict[str, str]) -> bool:
+    """An Ultralytics RT-DETR export (its one output: queries' boxes and scores), by its metadata."""
+    return metadata.get("head") == "RTDETRDecoder" or \
+        "rtdetr" in metadata.get("description", "").lower().replace("-", "")
 
 
 def pair(outputs) -> tuple | None:
@@ -56,8 +68,8 @@ class SetPrediction(Contract):
     captured = True
 
     def __init__(self, *, activation: str, input_hw: tuple[int, int], device: torch.device,
-                 cuda_graphs: bool = True):
-        self.activation = activation
+                 cuda_graphs: bool = True, rows: bool = False):
+        self.activation, self.rows_layout = activation, rows
         height, width = input_hw
         self.box_scale = torch.tensor([width, height, width, height], dtype=torch.float32, device=device)
         self.graphs = GraphCache(device)
@@ -66,29 +78,42 @@ class SetPrediction(Contract):
 
     @classmethod
     def why(cls, outputs: list[TensorSpec], metadata: dict[str, str] | None = None) -> str:
+        if cls.rows(outputs, metadata or {}):
+            return f"its one output {outputs[0].describe()} and its metadata (Ultralytics' RT-DETR decoder)"
         logits, boxes = pair(outputs)
         return f"its outputs {logits.describe()} (logits) and {boxes.describe()} (boxes), a set of queries"
 
     @classmethod
+    def rows(cls, outputs: list[TensorSpec], metadata: dict[str, str]) -> bool:
+        """Ultralytics' layout: one output [B, Q, 6] or [B, Q, 4+K]."""
+        return len(outputs) == 1 and len(outputs[0].shape) == 3 and ultralytics_rtdetr(metadata)
+
+    @classmethod
     def fits(cls, outputs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bool:
+        if cls.rows(outputs, metadata or {}):
+            return True
         found = pair(outputs)
         return found is not None and len(found[0].shape) == 3 and len(found[1].shape) == 3 and found[1].shape[2] == 4
 
     @classmethod
     def expected(cls) -> str:
-        return f"{cls.name}: logits [B, Q, K] and pred_boxes [B, Q, 4] (normalised centre x, y, width, height)"
+        return (f"{cls.name}: logits [B, Q, K] and pred_boxes [B, Q, 4] (normalised centre x, y, width, height), or "
+                "Ultralytics' RT-DETR export (one output [B, Q, 6], its metadata naming RTDETRDecoder)")
 
     @classmethod
     def from_config(cls, model, config, *, device, input_hw) -> SetPrediction:
         return cls(activation=config.model.score_activation, input_hw=input_hw, device=device,
-                   cuda_graphs=static_outputs(model))
+                   cuda_graphs=static_outputs(model), rows=cls.rows(model.outputs, model.metadata))
 
     def packed(self, logits: torch.Tensor, cxcywh: torch.Tensor, num_images: torch.Tensor, meta: torch.Tensor, *,
                score_threshold: float, max_detections: int) -> torch.Tensor:
         """The rows packed for the host (pack_detections); num_images: [] int64 tensor."""
         logits = logits.float()
         batch, queries, classes = logits.shape
-        if self.activation == "softmax":  # DETR: the last class is "no object"
+        if self.rows_layout:  # Ultralytics' RT-DETR: probabilities, each query its best class
+            scores, labels = (logits[..., 0], logits[..., 1].long()) if classes == 2 else logits.max(dim=-1)
+            query = torch.arange(queries, device=logits.device).expand(batch, queries)
+        elif self.activation == "softmax":  # DETR: the last class is "no object"
             scores, labels = logits.softmax(dim=-1)[..., :-1].max(dim=-1)
             query = torch.arange(queries, device=logits.device).expand(batch, queries)
         else:  # the best Q (query, class) pairs of the image, over every class
@@ -104,7 +129,12 @@ class SetPrediction(Contract):
 
     def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, num_images: int,
                  thresholds: Thresholds) -> PackedDetections:
-        block = self.graphs(self.packed, pair(outputs), (torch.tensor(num_images), meta),
+        if self.rows_layout:
+            (rows,) = outputs.values()
+            buffers = (rows[..., 4:], rows[..., :4])  # (scores, boxes)
+        else:
+            buffers = pair(outputs)
+        block = self.graphs(self.packed, buffers, (torch.tensor(num_images), meta),
                             score_threshold=thresholds.score_threshold, max_detections=thresholds.max_detections)
         return PackedDetections(block=block, num_landmarks=0, num_images=num_images, reader=self.reader,
                                 settle=lambda images: block)  # no NMS: every image is settled
