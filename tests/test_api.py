@@ -376,3 +376,31 @@ def test_a_pil_image_is_turned_as_its_exif_orientation_says_like_its_file(tmp_pa
     assert [(r.width, r.height, len(r.scores)) for r in results] == [(512, 600, 1)] * 4
     for r in results[1:]:
         assert np.abs(r.boxes_xyxy - results[0].boxes_xyxy).max() < 1.0
+
+
+@cpu_and_cuda()
+def test_a_class_filter_keeps_the_same_detections_on_the_host_and_on_the_device(device, tmp_path):
+    """run(classes=) after a packed postprocess (anchor_free, CUDA graphs on a GPU) and after a
+    dynamic one (end_to_end): the classes asked for, best first, the same with on_device=True."""
+    from conftest import batched_constant_model, constant_model
+    from pipeline import Detector
+
+    centres = np.array([[100, 100, 40, 40], [300, 300, 80, 80], [500, 150, 60, 60], [200, 500, 50, 90]], np.float32)
+    scores = np.array([[0.9, 0.1], [0.2, 0.8], [0.7, 0.05], [0.1, 0.6]], np.float32)  # per class: person, car
+    head = np.concatenate([np.r_[centres, np.zeros((4, 4), np.float32)],
+                           np.r_[scores, np.zeros((4, 2), np.float32)]], axis=1).T  # [6, 8]: a YOLOv8 head
+    yolo = batched_constant_model(tmp_path / "yolo.onnx", {"output0": head}, input_shape=["b", 3, 640, 640],
+                                  metadata={"names": "{0: 'person', 1: 'car'}"})
+    e2e = constant_model(tmp_path / "e2e.onnx", {
+        "boxes": np.array([[4, 4, 40, 40], [50, 50, 90, 90], [10, 60, 30, 90]], np.float32),
+        "scores": np.array([0.95, 0.9, 0.6], np.float32), "batch_index": np.array([0, 0, 0], np.int64),
+        "labels": np.array([0, 1, 1], np.int64)}, metadata={"names": "{0: 'person', 1: 'car'}"})
+    for model, cars in ((yolo, [0.8, 0.6]), (e2e, [0.9, 0.6])):
+        detector = Detector.from_config(device=device, model=str(model), overrides=[
+            "model.landmarks=0", "preprocess.size=[640,640]", "preprocess.channel_order=RGB", "preprocess.mean=[0,0,0]",
+            "preprocess.std=[255,255,255]"])
+        for on_device in (False, True):
+            (result,) = detector.run(str(SAMPLES / "astronaut.png"), classes=["car"], score_threshold=0.5,
+                                     on_device=on_device)
+            found = [float(s) for s in (result.scores.cpu().numpy() if on_device else result.scores)]
+            assert result.names == ["car", "car"] and np.allclose(found, cars), (model.name, on_device, found)
