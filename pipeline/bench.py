@@ -39,11 +39,11 @@ from .results import ImageError, ImageRef
 from .errors import SourceError
 from .session import SCALAR_INPUTS
 from .folder import OutputFolder
+from .listing import list_images
 from .job import record_stream
 from .formats import record_format
 from .sinks import read_complete_records
 from .source import EncodedImage, batched, read_checked
-from .listing import list_images
 from .timing import StageClock, process_seconds
 
 

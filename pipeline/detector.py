@@ -29,12 +29,12 @@ from .device import Device, free_bytes, resolve_device
 from .contracts import Contract, Renamed, recognise, renamed
 from .engine import ORT_TO_TORCH, Engine, Launched
 from .errors import ConfigError
+from .listing import list_images
 from .postprocess import BadModelOutput, DeviceDetections, GraphCache, Thresholds, image_meta
 from .preprocess import ByKind, PreprocessedBatch, Preprocessor, preprocess_stream
 from .results import Detections, ImageError, ImageRef, ImageResult
 from .session import drop_started, engine_arguments
 from .source import FLUSH, EncodedImage, Item, PixelImage, ScaledDecode, as_item, batched, read_chunks, within_pixels
-from .listing import list_images
 from .timing import StageClock
 
 log = logging.getLogger("gpudet")

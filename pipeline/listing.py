@@ -23,6 +23,8 @@ log = logging.getLogger("gpudet")
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".tif", ".tiff", ".webp", ".jp2",
                               ".pnm", ".ppm", ".pgm"})
+
+
 def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = None,
                 skipped: list[Path] | None = None) -> list[ImageRef]:
     """Expand SOURCE into indexed image paths: a `.txt` file list (`read_list`), a folder (its image

@@ -133,17 +133,23 @@ def to_original(points_xy: torch.Tensor, image: torch.Tensor, meta: torch.Tensor
     return torch.minimum(xy.clamp(min=0), size_wh[:, None])
 
 
+def real_images(batch: int, num_images: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[B, 1] bool: the rows of a batch that are images, not its padding (num_images: [] int64
+    tensor, so that a CUDA graph takes each batch's count)."""
+    return torch.arange(batch, device=device)[:, None] < num_images
+
+
 def kept_slots(keep: torch.Tensor, max_detections: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where each image's kept candidates are, packed to the front: keep [B, K] bool (at most
-    max_detections per image, best first) -> index [B, D] (candidate of the image's d-th kept one;
-    clamped where there is none; D = min(max_detections, K)), count [B], present [B, D] (d < count).
+    """Where each image's first max_detections kept candidates are, packed to the front: keep
+    [B, K] bool (best first) -> index [B, D] (candidate of the image's d-th kept one; clamped where
+    there is none; D = min(max_detections, K)), count [B] (at most D), present [B, D] (d < count).
     Static shapes, no sync."""
     batch, k = keep.shape
     max_detections = min(max_detections, k)  # D: no more slots than candidates
     kept_so_far = torch.cumsum(keep, dim=1)  # [B, K], non-decreasing
     wanted = torch.arange(1, max_detections + 1, device=keep.device).expand(batch, -1).contiguous()
     index = torch.searchsorted(kept_so_far, wanted).clamp_(max=k - 1)  # first candidate with that many kept
-    count = kept_so_far[:, -1]
+    count = kept_so_far[:, -1].clamp(max=max_detections)
     return index, count, wanted <= count[:, None]
 
 
@@ -175,8 +181,8 @@ def box_columns(labels: torch.Tensor, scores: torch.Tensor, boxes: torch.Tensor,
 def pack_detections(scores: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor, keep: torch.Tensor,
                     flag: torch.Tensor, meta: torch.Tensor, max_detections: int) -> torch.Tensor:
     """The block the host reads (pack_rows) from a batch's candidates, best first: scores [B, K],
-    labels [B, K], boxes [B, K, 4] x1y1x2y2 model-input pixels, keep [B, K] (at most
-    max_detections per image: kept_slots; packed in original pixels), flag [B] (settled).
+    labels [B, K], boxes [B, K, 4] x1y1x2y2 model-input pixels, keep [B, K] (the first
+    max_detections kept of each image are packed, in original pixels), flag [B] (settled).
     Static shapes, no sync."""
     slot, count, present = kept_slots(keep, max_detections)
     columns = box_columns(labels.gather(1, slot), scores.gather(1, slot),

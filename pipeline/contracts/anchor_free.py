@@ -19,7 +19,7 @@ import torch
 
 from ..kernels import compile_ahead
 from ..nms import exact_nms, top_nms
-from ..postprocess import BlockReader, GraphCache, PackedDetections, Thresholds, pack_detections
+from ..postprocess import BlockReader, GraphCache, PackedDetections, Thresholds, pack_detections, real_images
 from ..session import TensorSpec
 from . import Contract, static_outputs
 from .set_prediction import ultralytics_rtdetr
@@ -101,7 +101,7 @@ class AnchorFree(Contract):
         cxcywh = torch.gather(rows[..., :4], 1, index[..., None].expand(-1, -1, 4))
         centre, size = cxcywh.split(2, dim=-1)
         boxes = torch.cat([centre - size / 2, centre + size / 2], dim=-1)
-        valid = (top >= score_threshold) & (torch.arange(len(top), device=top.device)[:, None] < num_images)
+        valid = (top >= score_threshold) & real_images(len(top), num_images, top.device)
         return boxes, top, torch.gather(labels, 1, index), valid
 
     def packed(self, head: torch.Tensor, num_images: torch.Tensor, meta: torch.Tensor, *, score_threshold: float,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..postprocess import BlockReader, GraphCache, PackedDetections, Thresholds, pack_detections
+from ..postprocess import BlockReader, GraphCache, PackedDetections, Thresholds, pack_detections, real_images
 from ..session import TensorSpec
 from . import Contract, static_outputs
 from .set_prediction import ultralytics_rtdetr
@@ -105,12 +105,10 @@ class PaddedEndToEnd(Contract):
         batch, rows = scores.shape
         slot = torch.arange(rows, device=scores.device)
         present = slot[None] < count[0].to(scores.device).reshape(-1, 1).long() if count else scores > 0
-        keep = present & (scores >= score_threshold) & (torch.arange(batch, device=scores.device)[:, None] < num_images)
+        keep = present & (scores >= score_threshold) & real_images(batch, num_images, scores.device)
         order = torch.argsort(torch.where(keep, scores, float("-inf")), dim=1, descending=True, stable=True)
-        keep = keep.gather(1, order)
-        keep &= torch.cumsum(keep, dim=1) <= max_detections  # best first, so this caps per image
         return pack_detections(scores.gather(1, order), labels.gather(1, order),
-                               boxes.float().gather(1, order[..., None].expand(-1, -1, 4)), keep,
+                               boxes.float().gather(1, order[..., None].expand(-1, -1, 4)), keep.gather(1, order),
                                torch.ones_like(keep[:, 0]), meta, max_detections)
 
     def __call__(self, outputs: dict[str, torch.Tensor], meta: torch.Tensor, *, num_images: int,

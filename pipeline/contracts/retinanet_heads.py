@@ -11,7 +11,7 @@ from ..errors import ModelError
 from ..kernels import compile_ahead, row_max
 from ..nms import exact_nms, top_nms
 from ..postprocess import BlockReader, Compiled, GraphCache, PackedDetections, Thresholds, maybe_compiled, \
-    pack_detections
+    pack_detections, real_images
 from . import Contract
 
 
@@ -153,7 +153,7 @@ class RetinaNetHeads(Contract):
         Returns (scores, labels, boxes, valid, keep, settled), all on the device."""
         scores, labels, boxes = self.candidates(logits, regression)
         valid = scores > score_threshold  # torchvision keeps score > threshold
-        valid &= torch.arange(len(valid), device=valid.device)[:, None] < num_images
+        valid &= real_images(len(valid), num_images, valid.device)
         keep, settled = top_nms(boxes, scores, labels, valid, iou_threshold=iou_threshold, max_kept=max_detections,
                                 prefix=self.nms_prefix)
         return scores, labels, boxes, valid, keep, settled

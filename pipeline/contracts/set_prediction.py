@@ -11,9 +11,10 @@ writes one output instead, its queries' boxes as above, then
     [B, Q, 6]     score, class: the decoder's best (query, class) pairs (Ultralytics 8.4 on)
  or [B, Q, 4+K]   each class's probability: a query's best class is its (Ultralytics 8.3)
 
-and is scored as Ultralytics' RTDETRPredictor does. Scores as model.score_activation says: sigmoid (RT-DETR and its focal-loss
-kin: the best `Q` (query, class) pairs over all classes, as transformers' RT-DETR postprocess takes
-them) or softmax (DETR: each query's best class but the last). Static shapes and no host sync up
+and is scored as Ultralytics' RTDETRPredictor does. The two outputs' scores are as
+model.score_activation says: sigmoid (RT-DETR and its focal-loss kin: the best `Q` (query, class)
+pairs over all classes, as transformers' RT-DETR postprocess takes them) or softmax (DETR: each
+query's best class but the last). Static shapes and no host sync up
 to the packed rows: on a GPU, one CUDA graph per output buffer where the export's shapes are static.
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..postprocess import BlockReader, GraphCache, PackedDetections, Thresholds, pack_detections
+from ..postprocess import BlockReader, GraphCache, PackedDetections, Thresholds, pack_detections, real_images
 from ..session import TensorSpec
 from . import Contract, static_outputs
 
@@ -121,8 +122,7 @@ class SetPrediction(Contract):
             scores, labels, query = top, flat % classes, flat // classes
         order = torch.argsort(scores, dim=1, descending=True, stable=True)
         scores, labels, query = (torch.gather(t, 1, order) for t in (scores, labels, query))
-        keep = (scores >= score_threshold) & (torch.arange(batch, device=logits.device)[:, None] < num_images)
-        keep &= torch.cumsum(keep, dim=1) <= max_detections  # best first, so this caps per image
+        keep = (scores >= score_threshold) & real_images(batch, num_images, logits.device)
         centre, size = cxcywh.float().gather(1, query[..., None].expand(-1, -1, 4)).split(2, dim=-1)
         corners = torch.cat([centre - size / 2, centre + size / 2], dim=-1) * self.box_scale  # [B, Q, 4]
         return pack_detections(scores, labels, corners, keep, torch.ones_like(keep[:, 0]), meta, max_detections)

@@ -7,7 +7,7 @@ import torch
 from ..kernels import compile_ahead
 from ..nms import NMS_STEPS, batched_nms, top_nms
 from ..postprocess import BlockReader, Compiled, GraphCache, PackedDetections, Thresholds, box_columns, kept_slots, \
-    maybe_compiled, pack_rows, rows_to_original
+    maybe_compiled, pack_rows, real_images, rows_to_original
 from . import Contract, landmark_points
 
 
@@ -88,7 +88,7 @@ class SsdHeads(Contract):
         scores_all = conf[..., 1].float()  # [B, A]
         scores, index = scores_all.topk(min(self.pre_nms_top_k, scores_all.shape[1]), dim=1)  # best first
         valid = scores > score_threshold  # the reference keeps score > threshold
-        valid &= torch.arange(len(valid), device=valid.device)[:, None] < num_images
+        valid &= real_images(len(valid), num_images, valid.device)
         prior = anchors[index]  # [B, k, 4]
         center_var, size_var = self.variances
         coded = loc.float().gather(1, index[..., None].expand(-1, -1, 4))
