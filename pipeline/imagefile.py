@@ -24,6 +24,8 @@ PNG_END = b"IEND\xaeB`\x82"
 crash the process on one (SIGSEGV)."""
 PNG_END_WITHIN = 65536
 """How far from a PNG's end IEND is looked for: bytes appended after it (rare) are allowed."""
+JPEG_END = b"\xff\xd9"
+"""A JPEG's end-of-image marker (EOI)."""
 
 
 def sniff_format(head: bytes) -> str | None:
@@ -46,6 +48,8 @@ class JpegFrame(NamedTuple):
     width: int
     height: int
     components: int = 3
+    offset: int = 0
+    """Where the frame header starts in the file."""
     """1 grey, 3 YCbCr (or RGB), 4 CMYK or YCCK."""
 
 
@@ -78,7 +82,7 @@ def jpeg_frame(data: bytes) -> JpegFrame | None:
         length = int.from_bytes(data[i + 2:i + 4], "big")
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC) and i + 9 <= len(data):
             return JpegFrame(marker, data[i + 4], int.from_bytes(data[i + 7:i + 9], "big"),
-                             int.from_bytes(data[i + 5:i + 7], "big"), data[i + 9] if i + 9 < len(data) else 3)
+                             int.from_bytes(data[i + 5:i + 7], "big"), data[i + 9] if i + 9 < len(data) else 3, i)
         i += 2 + length
     return None
 
@@ -147,6 +151,17 @@ def image_size(data: bytes, kind: str) -> tuple[int, int] | None:
 
 JPEG_KINDS = {0xC0: "baseline", 0xC1: "extended", 0xC2: "progressive", 0xC3: "lossless", 0xC9: "arithmetic",
               0xCA: "arithmetic progressive", 0xCB: "arithmetic lossless"}
+
+
+def jpeg_ends(data, frame: JpegFrame) -> bool:
+    """Whether a JPEG's end-of-image marker (EOI) follows its frame header (`data`: its bytes as a
+    numpy array). A file cut short has none, and the GPU's decoder turns such a file into an
+    image without an error. Entropy-coded data never holds 0xFF 0xD9 (an 0xFF there is followed
+    by 0x00 or a restart marker), and an EXIF thumbnail's EOI comes before the main frame header.
+    Data after the EOI (a phone's motion-photo video, a maker's trailer) is allowed: the last
+    64 KB are looked at first, the rest only when they hold no EOI."""
+    tail = data[max(frame.offset, len(data) - PNG_END_WITHIN):].tobytes()
+    return JPEG_END in tail or JPEG_END in data[frame.offset:].tobytes()
 
 
 def least_bits(frame: JpegFrame) -> int:

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import storage
 from .imagefile import DALI_JPEG, JPEG_KINDS, PNG_END, PNG_END_WITHIN, exif_orientation, image_size, jpeg_frame, \
-    least_bits, sniff_format
+    jpeg_ends, least_bits, sniff_format
 from .results import ImageError, ImageRef
 
 log = logging.getLogger("gpudet")
@@ -203,6 +203,10 @@ def checked_bytes(item: EncodedImage, max_pixels: int = 0,
             return ImageError(ref.index, ref.path, "truncated",
                               f"jpeg declares {frame.width}x{frame.height} pixels, more than its {len(data):,} bytes can "
                               "hold: its header is corrupt, or the file was cut short; fetch or copy it again")
+        if not jpeg_ends(data, frame):
+            return ImageError(ref.index, ref.path, "truncated",
+                              "jpeg ends before its end-of-image marker (EOI): the file was cut short, e.g. by an "
+                              "interrupted download or copy; fetch or copy it again")
         if frame.marker not in DALI_JPEG or frame.precision != 8:
             return decoded_here(item, f"jpeg ({JPEG_KINDS.get(frame.marker, 'hierarchical')}, "
                                       f"{frame.precision}-bit)")
