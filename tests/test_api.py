@@ -396,9 +396,11 @@ def test_a_class_filter_keeps_the_same_detections_on_the_host_and_on_the_device(
         "scores": np.array([0.95, 0.9, 0.6], np.float32), "batch_index": np.array([0, 0, 0], np.int64),
         "labels": np.array([0, 1, 1], np.int64)}, metadata={"names": "{0: 'person', 1: 'car'}"})
     for model, cars in ((yolo, [0.8, 0.6]), (e2e, [0.9, 0.6])):
+        # run.cuda_graph off: these constant models compute their output shapes on the host, which
+        # ORT cannot capture (the postprocess's own CUDA graphs, which this test is about, stay on)
         detector = Detector.from_config(device=device, model=str(model), overrides=[
             "model.landmarks=0", "preprocess.size=[640,640]", "preprocess.channel_order=RGB", "preprocess.mean=[0,0,0]",
-            "preprocess.std=[255,255,255]"])
+            "preprocess.std=[255,255,255]", "run.cuda_graph=false"])
         for on_device in (False, True):
             (result,) = detector.run(str(SAMPLES / "astronaut.png"), classes=["car"], score_threshold=0.5,
                                      on_device=on_device)
