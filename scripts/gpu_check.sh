@@ -10,6 +10,7 @@
 #   OUT=DIR bash scripts/gpu_check.sh photos      # 12 MP photos: bench and detect, scaled decode off and on, same faces
 #   OUT=DIR bash scripts/gpu_check.sh coco        # COCO-sized JPEGs and the mixed set: bench, and detect over 20,000
 #   OUT=DIR BEFORE=DIR bash scripts/gpu_check.sh ab  # BEFORE and this tree in turn, ROUNDS times: bench and detect
+#     (AB="NAME=DIR NAME=DIR ...": those trees, then this one, in turn; DETECT_TREES: the names whose detect runs)
 #   OUT=DIR YOLO_MODELS="a.onnx b.onnx" bash scripts/gpu_check.sh yolo  # YOLO exports: bench beside ORT alone
 #
 # BEFORE=DIR (a checkout's root) also runs that tree beside this one, for before/after (retinaface, coco).
@@ -36,8 +37,12 @@ kind_set() {  # KIND COUNT: users' workloads, every file distinct (scripts/make_
   du -sh "$IMAGES/$1" | tee -a "$OUT/sets.txt"
 }
 
+home_of() {  # TREE: now (this tree), before ($BEFORE) or a checkout's root
+  case "$1" in now) echo "$ROOT" ;; before) echo "$BEFORE" ;; *) echo "$1" ;; esac
+}
+
 timed_detect() {  # NAME TREE LIST [OPTIONS...]: gpudet detect from the shell, its wall clock and summary kept
-  local name=$1 home=$ROOT; [ "$2" = before ] && home=$BEFORE
+  local name=$1 home; home=$(home_of "$2")
   local list=$3; shift 3
   local start=$(date +%s%N)
   (cd "$home" && PYTHONPATH="$home:${PYTHONPATH:-}" $PY -m pipeline detect "$list" --out "/tmp/gpudet-$name" --overwrite \
@@ -48,7 +53,7 @@ timed_detect() {  # NAME TREE LIST [OPTIONS...]: gpudet detect from the shell, i
 }
 
 bench() {  # NAME TREE LIST LIMIT [OPTIONS...]: gpudet bench, its report kept
-  local name=$1 home=$ROOT; [ "$2" = before ] && home=$BEFORE
+  local name=$1 home; home=$(home_of "$2")
   local list=$3 limit=$4; shift 4
   (cd "$home" && PYTHONPATH="$home:${PYTHONPATH:-}" $PY -m pipeline bench "$list" --device cuda --limit "$limit" \
     --passes "${PASSES:-3}" "$@" --json "$OUT/bench_$name.json") 2>&1 | quiet | tee -a "$OUT/bench.txt"
@@ -135,16 +140,23 @@ case "${1:-}" in
     done
     ;;
   ab)
-    # Before and after in turn on one machine, so that a drift of the machine (which moved one tree's
-    # loop by 15% between two runs) falls on both: the default bench over the 3,796 crops ROUNDS
-    # times each, then the default detect over 106,288 DETECT_ROUNDS times each.
+    # Trees in turn on one machine, so that a drift of the machine (which moved one tree's loop by
+    # 15% between two runs) falls on all: the default bench over the 3,796 crops ROUNDS times each,
+    # then the default detect over 106,288 DETECT_ROUNDS times each.
     versions | tee "$OUT/versions.txt"
     image_set
+    names=(); dirs=()
+    for spec in ${AB:-before=${BEFORE:?BEFORE or AB names the other trees}} now=now; do
+      names+=("${spec%%=*}"); dirs+=("${spec#*=}")
+    done
     for round in $(seq "${ROUNDS:-3}"); do
-      for tree in before now; do bench "crops_${tree}_$round" "$tree" "$IMAGES/jpg.txt" 4000 --skip-naive; done
+      for i in "${!names[@]}"; do bench "crops_${names[$i]}_$round" "${dirs[$i]}" "$IMAGES/jpg.txt" 4000 --skip-naive; done
     done
     for round in $(seq "${DETECT_ROUNDS:-2}"); do
-      for tree in before now; do timed_detect "x28_${tree}_$round" "$tree" "$IMAGES/jpg_x28.txt"; done
+      for i in "${!names[@]}"; do
+        case " ${DETECT_TREES:-${names[*]}} " in *" ${names[$i]} "*)
+          timed_detect "x28_${names[$i]}_$round" "${dirs[$i]}" "$IMAGES/jpg_x28.txt" ;; esac
+      done
     done
     ;;
   yolo)
