@@ -80,7 +80,7 @@ def test_bad_images_are_recorded_and_the_job_goes_on(tmp_path):
     errors = read_jsonl(tmp_path / "out" / "errors.jsonl")
     assert sorted(r["index"] for r in done) == [0, 5, 6]
     assert {e["index"]: e["reason"] for e in errors} == {1: "empty", 2: "missing", 3: "unknown_format",
-                                                         4: "decode_failed", 7: "bad_header"}
+                                                         4: "truncated", 7: "bad_header"}
     assert all(e["path"].endswith(name) for e, name in zip(sorted(errors, key=lambda e: e["index"]), [
         "empty.jpg", "missing.jpg", "text.jpg", "truncated.jpg", "header_only.jpg"]))
     assert [len(r["detections"]) for r in sorted(done, key=lambda r: r["index"])] == [1, 0, 1]
