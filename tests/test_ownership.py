@@ -279,8 +279,9 @@ def test_sighup_stops_the_run_as_sigterm_does(tmp_path):
     out = tmp_path / "o"
     process = subprocess.Popen([sys.executable, "-m", "pipeline", "detect", str(listing), "--out", str(out), "--device",
                                 "cpu", "--batch-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (out / "detections.jsonl").is_file():
+    records = out / "detections.jsonl"
+    deadline = time.monotonic() + 120  # the first record written: the run has begun (a signal during setup
+    while time.monotonic() < deadline and not (records.is_file() and records.stat().st_size):  # leaves no folder)
         time.sleep(0.05)
     process.send_signal(signal.SIGHUP)
     _, err = process.communicate(timeout=120)
