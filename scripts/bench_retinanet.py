@@ -331,8 +331,9 @@ def pytorch_expert(paths: list[str], model: torch.nn.Module, batch: int, size_hw
                 if ready is not None:
                     torch.cuda.current_stream().wait_event(ready)
                     x.record_stream(torch.cuda.current_stream())  # made on the decoding stream, read here
-                if graph is not None and len(x) == batch:
-                    static.copy_(x)
+                if graph is not None:  # a last, partial batch padded: one shape, one graph
+                    static[:len(x)].copy_(x)
+                    static[len(x):].zero_()
                     graph.replay()
                     out_logits, out_regression = logits, regression
                 else:
