@@ -268,16 +268,51 @@ def formats_table() -> str:
     return "\n".join(lines)
 
 
+EXPERT_RUNS = ("h100/retinanet_expert", "h100/retinanet_expert_2")
+"""bench_retinanet.py with the PyTorch expert baseline: two runs, one after the other on one machine."""
+EXPERT = "pytorch expert (GPU decode, CUDA graph, batched postprocess on its own stream)"
+
+
+def crossover(r: dict) -> float:
+    """The job size (images) from which gpudet finishes first: each row's setup from its process's
+    start, then its median rate."""
+    ours, theirs = r["results"]["gpudet"], r["results"][EXPERT]
+    return (ours["setup_s"] - theirs["setup_s"]) / (1 / theirs["images_per_s"] - 1 / ours["images_per_s"])
+
+
+def expert_table() -> str:
+    lines = ["| run | row | img/s, median (passes) | detections per image on the host | setup, from the process's "
+             "start | gpudet / row |", "| --- | --- | --- | --- | --- | --- |"]
+    for k, name in enumerate(EXPERT_RUNS, 1):
+        r = load(name)
+        ours = r["results"]["gpudet"]["images_per_s"]
+        for label, row in r["results"].items():
+            passes = ", ".join(num(p, 1) for p in row.get("passes", []))
+            setup = f"{row['setup_s']:.1f} s" if "setup_s" in row else ""
+            lines.append(f"| {k} | {label} | **{num(row['images_per_s'], 1)}** ({passes}) | "
+                         f"{row.get('detections_per_image', '')} | {setup} | {ours / row['images_per_s']:.2f}x |")
+    first, second = (load(name) for name in EXPERT_RUNS)
+    m = first["machine"]
+    lines += ["", f"The job size from which gpudet finishes first (setup plus images at the median rate): "
+              f"{num(round(crossover(first), -3))} images in run 1, {num(round(crossover(second), -3))} in run 2.",
+              "", f"{first['images']} of the crops, batch {first['batch_size']}, {first['size_hw'][0]}x"
+              f"{first['size_hw'][1]}, fp16, {first['passes']} passes per row, each row in a fresh process; "
+              f"{m['gpus'][0]}, {m['cores']} cores; torch {m['torch']}, onnxruntime {m['onnxruntime']}, DALI "
+              f"{m['dali']}; tree {first['tree']['commit']}; {first['date'][:10]}. Command: "
+              f"`{shorten(first['command'])}`; run 2: `{shorten(second['command'])}`."]
+    return "\n".join(lines)
+
+
 def speed_table() -> str:
     default, e2e, before = load("retinaface_default"), load("retinaface_e2e"), load("before_retinaface_default")
-    detect, rn = load(DETECT_RUNS[-1]), load(RETINANET)
-    gpudet = rn["results"]["gpudet"]
+    detect, rn, ex = load(DETECT_RUNS[-1]), load(RETINANET), load(EXPERT_RUNS[0])
+    ex_gpudet = ex["results"]["gpudet"]
     side = load("setup_first_run")["side_by_side"]
     walls = {tree: sorted(run["wall"] for run in side["runs"] if run["tree"] == tree) for tree in side["trees"].values()}
     early, late = walls[side["trees"]["now"]], walls[side["trees"]["before"]]
     first, *later = load("setup_first_run")["fresh_machine"]["runs"]
     return "\n".join([
-        "| what, on one H200 | gpudet | against |", "| --- | --- | --- |",
+        "| what, on one GPU (H200 unless named) | gpudet | against |", "| --- | --- | --- |",
         f"| `gpudet detect` (the default), 6 images: what a job pays before its rate | {early[0]:.1f}-{early[-1]:.1f} s "
         f"from the command | {late[0]:.1f}-{late[-1]:.1f} s without the early session, side by side |",
         f"| the same, a fresh machine's first command (its compile caches empty) | {first['wall']:.1f} s from the "
@@ -287,11 +322,12 @@ def speed_table() -> str:
         f"| RetinaFace, the default config, batch 32 | {num(default['images_per_s']['gpudet'])} img/s | "
         f"{num(before['images_per_s']['gpudet'])} img/s the earlier default (now `retinaface_mnet025_e2e.yaml`: "
         f"{num(e2e['images_per_s']['gpudet'])}); {default['ratios']['gpudet / naive']:.0f}x the naive loop |",
-        f"| RetinaNet R50-FPN fp16 800x800, batch 16, {gpudet['detections_per_image']} detections per image | "
-        f"{num(gpudet['images_per_s'])} img/s | {rn['ratios']['gpudet / ort alone']:.2f}x ORT alone, "
-        f"{rn['ratios']['gpudet / pytorch strong']:.1f}x the strong PyTorch pipeline, "
-        f"{rn['ratios']['gpudet / pytorch usual']:.1f}x the usual PyTorch pipeline, "
-        f"{rn['ratios']['gpudet / naive']:.0f}x the naive loop |"])
+        f"| RetinaNet R50-FPN fp16 800x800, batch 16, {ex_gpudet['detections_per_image']} detections per image "
+        f"({ex['machine']['gpus'][0].replace('NVIDIA ', '')}) | {num(ex_gpudet['images_per_s'])} img/s | "
+        f"{ex['ratios']['gpudet / ort alone']:.2f}x ORT alone, {ex['ratios']['gpudet / pytorch expert']:.2f}x the "
+        f"PyTorch expert pipeline (which finishes first on jobs under ~{num(round(crossover(ex), -3))} images: its setup "
+        f"is shorter), {ex['ratios']['gpudet / pytorch usual']:.1f}x the usual PyTorch pipeline, "
+        f"{rn['ratios']['gpudet / naive']:.0f}x the naive loop (fp32, batch 1; an earlier run) |"])
 
 
 SETUP_PHASES = "setup_phases_compile_ahead"
@@ -461,13 +497,17 @@ def shorten(command: str) -> str:
 SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "setup": setup_table, "retinanet": retinanet_table,
             "ray": ray_table, "formats": formats_table, "threads": threads_table,
             "first_run": first_run_table, "first_run_cudnn": first_run_cudnn_table, "first_command": first_command_table,
-            "omp": omp_table, "cpu": cpu_table}
+            "omp": omp_table, "cpu": cpu_table, "expert": expert_table}
 
 
 def render(text: str, sections: dict) -> str:
+    """The text with each section's table rendered between its markers; a section whose markers
+    are missing is an error, not a section skipped."""
     for name, make in sections.items():
-        text = re.sub(rf"(<!-- rendered: {name} -->\n)(?:(?!<!-- ).)*?(<!-- end -->)",
-                      lambda m: m.group(1) + make() + "\n" + m.group(2), text, flags=re.S)
+        text, found = re.subn(rf"(<!-- rendered: {name} -->\n)(?:(?!<!-- ).)*?(<!-- end -->)",
+                              lambda m: m.group(1) + make() + "\n" + m.group(2), text, flags=re.S)
+        if found != 1:
+            raise SystemExit(f"render_benchmarks: the markers of section {name!r} are missing or repeated")
     return text
 
 

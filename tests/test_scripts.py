@@ -4,6 +4,8 @@ that imports a name the package no longer has fails here, not on the GPU machine
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
@@ -36,3 +38,14 @@ def test_the_benchmark_docs_are_what_the_reports_say():
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "render_benchmarks.py"), "--check"], cwd=ROOT,
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+def test_a_rendered_section_whose_markers_are_gone_is_an_error():
+    """render_benchmarks.py fails on a section it cannot find instead of leaving its old numbers."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import render_benchmarks
+
+    text = "<!-- rendered: a -->\nold\n<!-- end -->\n"
+    assert render_benchmarks.render(text, {"a": lambda: "new"}) == "<!-- rendered: a -->\nnew\n<!-- end -->\n"
+    with pytest.raises(SystemExit, match="'b'"):
+        render_benchmarks.render(text, {"a": lambda: "new", "b": lambda: "x"})
