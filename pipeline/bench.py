@@ -227,14 +227,21 @@ def machine() -> dict:
             "torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "dali": dali.__version__}
 
 
+CODE_PATHS = ("pipeline", "configs", "models", "scripts")
+"""What a measurement ran: code_tree is git's tree of these paths as they are on disk."""
+
+
 def code_version() -> dict:
     """Which gpudet made the numbers: its version, the folder it was imported from, and the git
     commit when that folder's parent is a checkout's root ("+" after it: uncommitted changes to
-    tracked files). None for an installed wheel or a copy of the package outside a checkout."""
+    tracked files), None for an installed wheel or a copy of the package outside a checkout. And
+    code_tree: git's tree hash of CODE_PATHS as they are on disk (a copy of a working tree can
+    carry another commit's metadata; this names its content), which a commit's own tree of those
+    paths matches exactly when the code is that commit's."""
     from ._version import __version__
 
     root = Path(__file__).resolve().parent.parent
-    commit = None
+    commit = content = None
     try:
         def git(*args: str) -> str:
             return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
@@ -243,9 +250,14 @@ def code_version() -> dict:
         top, head = git("rev-parse", "--show-toplevel", "HEAD").split()
         if Path(top).resolve() == root:
             commit = head[:12] + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
+            with tempfile.TemporaryDirectory() as tmp:  # the content, whatever the checkout's metadata says
+                content = subprocess.run(
+                    ["sh", "-c", 'git add -A -- "$@" && git write-tree', "sh", *CODE_PATHS], cwd=root,
+                    env={**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}, capture_output=True, text=True,
+                    timeout=30, check=True).stdout.strip()
     except (OSError, ValueError, subprocess.SubprocessError):
         pass
-    return {"version": __version__, "source": str(root / "pipeline"), "commit": commit}
+    return {"version": __version__, "source": str(root / "pipeline"), "commit": commit, "code_tree": content}
 
 
 def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_naive: bool = False,

@@ -1,6 +1,7 @@
 """Every script in scripts/ starts: imports resolve and the command line parses (--help). A script
 that imports a name the package no longer has fails here, not on the GPU machine."""
 
+import json
 import subprocess
 import sys
 
@@ -49,3 +50,32 @@ def test_a_rendered_section_whose_markers_are_gone_is_an_error():
     assert render_benchmarks.render(text, {"a": lambda: "new"}) == "<!-- rendered: a -->\nnew\n<!-- end -->\n"
     with pytest.raises(SystemExit, match="'b'"):
         render_benchmarks.render(text, {"a": lambda: "new", "b": lambda: "x"})
+
+
+def commit_code_tree(commit: str) -> str:
+    """git's tree of bench.CODE_PATHS at `commit`, as code_version computes it from the files."""
+    from pipeline.bench import CODE_PATHS
+
+    listing = subprocess.run(["git", "ls-tree", commit, "--", *CODE_PATHS], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout
+    return subprocess.run(["git", "mktree"], cwd=ROOT, input=listing, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_a_report_names_the_code_that_ran():
+    """A report records code_tree, the hash of the code on the disk that ran; the commit a report
+    names (its "tree", else the commit the machine's checkout recorded) must have that code. A copy
+    of the working tree with stale git metadata can no longer pass for another commit, and a
+    hand-written "tree" that is not what ran fails here. In a clean checkout code_version's
+    code_tree is HEAD's."""
+    from pipeline.bench import code_version
+
+    here = code_version()
+    if here["commit"] and not here["commit"].endswith("+"):
+        assert here["code_tree"] == commit_code_tree("HEAD")
+    for path in sorted((ROOT / "docs" / "bench").rglob("*.json")):
+        report = json.loads(path.read_text())
+        recorded = report.get("gpudet", {}) if isinstance(report.get("gpudet"), dict) else {}
+        if recorded.get("code_tree"):
+            named = report.get("tree", {}).get("commit") or recorded["commit"].rstrip("+")
+            assert commit_code_tree(named) == recorded["code_tree"], f"{path.name}: {named} is not the code that ran"
