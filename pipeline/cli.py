@@ -11,7 +11,7 @@ import logging
 import os
 import shlex
 import sys
-from contextlib import suppress
+from contextlib import nullcontext, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                                              "(searched recursively), a glob in quotes or one image file.")
     detect.add_argument("source", help="file list (.txt), folder, image file or glob")
     detect.add_argument("--out", required=True, help="output folder (detections.jsonl or detections.parquet/, "
-                                                     "errors.jsonl, summary.json)")
+                                                     "errors.jsonl, summary.json), or an s3://, gs:// or az:// "
+                                                     "prefix for Parquet")
     detect.add_argument("--format", dest="output_format", choices=OUTPUT_FORMATS,
                         help="how processed images are written: jsonl (default; with --resume, the format the "
                              "folder holds), or parquet (a folder of Parquet files, one row per image; needs pyarrow)")
@@ -203,9 +204,21 @@ def _detect(args: argparse.Namespace, config: Config) -> int:
     with signals_held():
         from .job import RunOptions, run_job
     from .folder import written_format
+    from .storage import is_url
 
-    output_format = args.output_format or (args.resume and written_format(args.out)) or "jsonl"
-    options = RunOptions(out=args.out, root=args.root, progress=False if args.quiet else args.progress,
+    mirror, out = None, args.out
+    if is_url(args.out):  # an object-store prefix: the run writes a local mirror of it, uploaded as it goes
+        from .mirror import Mirror
+
+        if args.output_format not in (None, "parquet"):
+            raise ConfigError(f"--out {args.out}: an object-store --out takes --format parquet (JSONL is appended "
+                              "to and cut back on --resume, which objects cannot be); give a local --out for JSONL")
+        mirror = Mirror(args.out)
+        mirror.pull()
+        out = mirror.local
+    output_format = args.output_format or ("parquet" if mirror else None) or \
+        (args.resume and written_format(out)) or "jsonl"
+    options = RunOptions(out=out, root=args.root, progress=False if args.quiet else args.progress,
                          output_format=output_format, resume=args.resume, overwrite=args.overwrite,
                          retry_failed=args.retry_failed)
     if args.devices is not None:
@@ -221,7 +234,8 @@ def _detect(args: argparse.Namespace, config: Config) -> int:
         from .runner import InProcess
 
         executor = InProcess([config.run.device])
-    result = run_job(args.source, config, options, executor)
+    with mirror.syncing() if mirror else nullcontext():
+        result = run_job(args.source, config, options, executor)
     s = result.summary
     if not s["interrupted"]:
         for failure in s["failures"]:
@@ -236,6 +250,8 @@ def _detect(args: argparse.Namespace, config: Config) -> int:
         log.error("interrupted; results so far are complete; continue with --resume")
     if not args.quiet:
         say(summary_table(s))
+        if mirror:
+            say(f"        uploaded to {mirror.url} (the local mirror: {mirror.local})")
     if args.save_drawings and not s["interrupted"]:
         return max(result.exit_code, draw_into(s["results"], args.save_drawings, root=None, limit=None, min_score=0.0,
                                                image_format="jpg", quiet=args.quiet))

@@ -89,6 +89,67 @@ def test_a_glob_a_list_of_urls_and_missing_objects_and_resume(s3, tmp_path):
         ["00000000_astronaut.jpg", "00000001_camera.jpg"], drawn.stderr
 
 
+def test_parquet_results_at_an_s3_prefix(s3, tmp_path):
+    """--out s3://.../results --format parquet: the run's files go up, summary.json last, and the
+    table read back from the prefix is a local run's; a user's object under the prefix stays;
+    --resume from a machine whose cache holds nothing of the run (the mirror filled from the
+    prefix) processes nothing twice; --overwrite replaces gpudet's objects only; JSONL at a
+    prefix is one line and exit 2."""
+    import boto3
+    import pyarrow.parquet as pq
+
+    client = boto3.client("s3", endpoint_url=s3, aws_access_key_id="testing", aws_secret_access_key="testing",
+                          region_name="us-east-1")
+    client.put_object(Bucket="photos", Key="results/notes.txt", Body=b"mine")
+
+    def run(*args, cache: str):
+        return gpudet("detect", "s3://photos/set/", "--out", "s3://photos/results", *args, "--device", "cpu",
+                      "--storage-option", f"endpoint_url={s3}",
+                      env={**os.environ, **CREDENTIALS, "XDG_CACHE_HOME": str(tmp_path / cache)})
+
+    def objects() -> dict[str, bytes]:
+        listed = client.list_objects_v2(Bucket="photos", Prefix="results/").get("Contents", [])
+        return {o["Key"][len("results/"):]: client.get_object(Bucket="photos", Key=o["Key"])["Body"].read()
+                for o in listed}
+
+    def table(found: dict[str, bytes]) -> list[dict]:
+        rows = []
+        for name in sorted(n for n in found if n.startswith("detections.parquet/part-")):
+            (tmp_path / "part.parquet").write_bytes(found[name])
+            rows += pq.read_table(tmp_path / "part.parquet").to_pylist()
+        return sorted(rows, key=lambda r: r["index"])
+
+    first = run("--format", "parquet", cache="one")
+    assert first.returncode == 0, first.stderr
+    found = objects()
+    summary = json.loads(found["summary.json"])
+    assert found["notes.txt"] == b"mine" and summary["processed"] == len(IMAGES) and "uploaded to s3://" in first.stdout
+    assert summary["results"] == "s3://photos/results/detections.parquet" and summary["out"] == "s3://photos/results"
+    assert "gpudet" in json.loads(found["settings.json"])
+    local = gpudet("detect", SAMPLES, "--out", tmp_path / "local", "--device", "cpu", "--format", "parquet")
+    assert local.returncode == 0, local.stderr
+    want = pq.read_table(tmp_path / "local" / "detections.parquet").to_pylist()
+    got = table(found)
+    assert [r["path"] for r in got] == [f"s3://photos/set/{name}" for name in IMAGES]
+    assert without_paths(got) == without_paths(sorted(want, key=lambda r: r["index"]))
+    assert s3 not in found["settings.json"].decode() + found["summary.json"].decode()
+
+    again = run("--resume", cache="two")  # another machine: its cache holds nothing of this run
+    assert again.returncode == 0 and "nothing left to process" in again.stdout, again.stdout + again.stderr
+    assert table(objects()) == got
+
+    jsonl = run("--format", "jsonl", "--overwrite", cache="one")
+    assert jsonl.returncode == 2 and "--format parquet" in jsonl.stderr and "Traceback" not in jsonl.stderr
+    assert objects() == found
+
+    replaced = run("--overwrite", cache="two")
+    assert replaced.returncode == 0, replaced.stderr
+    after = objects()
+    parts = sorted(n for n in after if n.startswith("detections.parquet/"))
+    assert after["notes.txt"] == b"mine" and parts and not set(parts) & set(found)  # new parts, the old ones gone
+    assert without_paths(table(after)) == without_paths(got)
+
+
 def moto_process(port: int, *, authorised_requests: float = float("inf")):
     """moto's S3 server in a process of its own, with the samples under s3://photos/set/, that
     honours the credentials for its first `authorised_requests` requests (setting up included) and
