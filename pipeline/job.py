@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .config import Config, resolve_model_path
-from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, last_record_written
+from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, last_record_written
 from .folder import OutputFolder, RunResult
 from .results import ImageRef
 from .sinks import Row
@@ -84,6 +84,9 @@ class Outcome:
     Asked after the merge, as `extra` is."""
     extra: Callable[[], dict[str, Any]] = dict
     """The executor's own fields of summary.json, built after the merge."""
+    stopped_on_usage: Callable[[], bool] = lambda: False
+    """A worker stopped on an error it said itself, exit 2 (the store refused the credentials, a
+    shard it may not write): the run exits 2, as one process would, and --resume goes on."""
 
 
 class Executor(Protocol):
@@ -143,6 +146,7 @@ def finish(folder: OutputFolder, todo: list[ImageRef], outcome: Outcome, *, sour
         folder.merge(count)
     unrecorded = 0 if tally.interrupted else len(todo) - tally.processed - tally.failed
     failures, extra = outcome.failures(), outcome.extra()  # before the shards (their summaries) go
+    usage = outcome.stopped_on_usage() and not tally.interrupted
     failed = bool(failures or unrecorded) and not tally.interrupted
     if not tally.interrupted and not failed:  # every image recorded: nothing writes to the shards any more
         folder.drop_shards()
@@ -155,7 +159,8 @@ def finish(folder: OutputFolder, todo: list[ImageRef], outcome: Outcome, *, sour
                                    config=config.to_dict(),
                                    extra={**extra, "not_recorded": unrecorded, "failures": failures,
                                           "skipped_not_images": not_images})
-    code = EXIT_INTERRUPTED if tally.interrupted else EXIT_INTERNAL if failed else tally.exit_code
+    code = EXIT_INTERRUPTED if tally.interrupted else EXIT_USAGE if usage else EXIT_INTERNAL if failed \
+        else tally.exit_code
     return RunResult(summary, code)
 
 

@@ -247,6 +247,7 @@ class OnDevices:
 
         return Outcome(device=", ".join(self.devices), setup_s=(first_record or time.perf_counter()) - started,
                        counted=False, on_merged=on_merged, failures=lambda: _failures(workers),
+                       stopped_on_usage=lambda: any(w.exit_codes[-1] == EXIT_USAGE for w in workers),
                        extra=lambda: {"devices": self.devices, "workers": [_report(w) for w in workers],
                                       "restarts": sum(len(w.exit_codes) - 1 for w in workers),
                                       "failed_workers": _failures(workers)})
@@ -325,7 +326,8 @@ def _report(worker: Worker) -> dict:
 
 
 def _failures(workers: list[Worker]) -> list[str]:
-    """The workers that stopped on an error of gpudet's (exit 1, 2), or died with images of their
+    """The workers that stopped on an error of gpudet's (exit 1, 2; after a worker's exit 2, an
+    error it said itself, the run exits 2: Outcome.stopped_on_usage), or died with images of their
     share not recorded (3: some images failed; 130: interrupted; killed after recording its whole
     share, nothing is missing)."""
     failures = []

@@ -50,7 +50,8 @@ def test_two_workers_give_the_single_process_results(tmp_path, capsys, output_fo
 
 def test_a_failing_worker_is_reported_and_resume_finishes(tmp_path, capsys):
     """A worker that stops on an error of gpudet's (here: a symbolic link planted in its shard,
-    which it refuses to write through) is named with its exit code; the others' work is kept."""
+    which it refuses to write through) is named with its exit code, which the run exits with (2,
+    as one process would); the others' work is kept."""
     out = tmp_path / "out"
     (tmp_path / "bad.jpg").write_bytes(b"")
     listing = tmp_path / "list.txt"
@@ -59,7 +60,7 @@ def test_a_failing_worker_is_reported_and_resume_finishes(tmp_path, capsys):
     (out / ".gpudet-shards" / "1").mkdir(parents=True)
     (out / ".gpudet-shards" / "1" / "errors.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
     (out / "settings.json").write_text('{"gpudet": "a run stopped before its first record"}')  # gpudet's folder
-    assert main(["detect", str(listing), "--out", str(out), "--devices", "cpu,cpu", "--quiet"]) == 1
+    assert main(["detect", str(listing), "--out", str(out), "--devices", "cpu,cpu", "--quiet"]) == 2  # the worker's code
     assert "worker 1 on cpu exited with code 2" in capsys.readouterr().err
     assert not (tmp_path / "elsewhere.jsonl").exists()
     (out / ".gpudet-shards" / "1" / "errors.jsonl").unlink()

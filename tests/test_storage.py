@@ -177,23 +177,29 @@ def moto_process(port: int, *, authorised_requests: float = float("inf")):
     return server, endpoint
 
 
-def test_credentials_refused_mid_run_stop_it_with_one_line_and_resume_finishes(tmp_path):
+@pytest.mark.parametrize("executor", [[], ["--devices", "cpu,cpu"]], ids=["one process", "devices"])
+def test_credentials_refused_mid_run_stop_it_with_one_line_and_resume_finishes(tmp_path, executor):
     """The store honours the credentials for the first images and refuses everything after: exit 2,
     one line saying so and what to do, the images read before recorded (none recorded forbidden);
-    --resume against a store that honours them records the rest, each image once."""
+    --resume against a store that honours them records the rest, each image once. The same with
+    --devices workers, each of which meets the refusal in its own process."""
     listing = tmp_path / "list.txt"
     listing.write_text("".join(f"s3://photos/set/{name}\n" for name in IMAGES * 4))  # 24 images
     port = free_port()
-    server, endpoint = moto_process(port, authorised_requests=1 + len(IMAGES) + 16)  # the bucket, the uploads, 16 reads
+    reads = 16 * (2 if executor else 1)  # each worker reads ahead on its own
+    server, endpoint = moto_process(port, authorised_requests=1 + len(IMAGES) + reads)  # the bucket, the uploads
     try:
         run = on_s3("detect", listing, "--out", tmp_path / "o", "--batch-size", "2", "--set", "run.num_threads=1",
-                    endpoint=endpoint)
+                    *executor, endpoint=endpoint)
     finally:
         server.terminate()
         server.wait()
     assert run.returncode == 2, run.stderr
     errors = [line for line in run.stderr.splitlines() if "ERROR" in line]
-    assert len(errors) == 1 and "credentials" in errors[0] and "--resume" in errors[0], run.stderr
+    if executor:  # each worker meets the refusal and says so; the parent names the workers that stopped
+        assert any("credentials" in e for e in errors) and all("--resume" in e for e in errors), run.stderr
+    else:
+        assert len(errors) == 1 and "credentials" in errors[0] and "--resume" in errors[0], run.stderr
     assert "Traceback" not in run.stderr
     recorded = read_jsonl(tmp_path / "o" / "detections.jsonl")
     failed = read_jsonl(tmp_path / "o" / "errors.jsonl") if (tmp_path / "o" / "errors.jsonl").exists() else []
