@@ -12,6 +12,9 @@
 #   OUT=DIR BEFORE=DIR bash scripts/gpu_check.sh ab  # BEFORE and this tree in turn, ROUNDS times: bench and detect
 #     (AB="NAME=DIR NAME=DIR ...": those trees, then this one, in turn; DETECT_TREES: the names whose detect runs)
 #   OUT=DIR YOLO_MODELS="a.onnx b.onnx" bash scripts/gpu_check.sh yolo  # YOLO exports: bench beside ORT alone
+#   OUT=DIR bash scripts/gpu_check.sh profile     # scripts/profile_loop.py over COCO-sized JPEGs (its trace in /tmp)
+#
+# The GPU machine returns a few files per command: `tar czf "$OUT.tgz" -C "$OUT" .` after a mode keeps them all.
 #
 # BEFORE=DIR (a checkout's root) also runs that tree beside this one, for before/after (retinaface, coco).
 set -uo pipefail
@@ -174,8 +177,14 @@ case "${1:-}" in
         --set "model.path=/tmp/${name}_seeded.onnx" ${YOLO_SET:-}
     done
     ;;
+  profile)
+    versions | tee "$OUT/versions.txt"
+    kind_set coco "${COCO:-20000}"
+    $PY "$ROOT/scripts/profile_loop.py" "$IMAGES/coco/list.txt" --out "$OUT/profile" --limit "${LIMIT:-8000}" \
+      --trace /tmp/gpudet-trace.json ${PROFILE_SET:+--set "$PROFILE_SET"} 2>&1 | quiet | tail -60
+    ;;
   *)
-    echo "usage: OUT=DIR bash scripts/gpu_check.sh tests|retinaface|retinanet|ray|sets|photos|coco|ab|yolo" >&2
+    echo "usage: OUT=DIR bash scripts/gpu_check.sh tests|retinaface|retinanet|ray|sets|photos|coco|ab|yolo|profile" >&2
     exit 2
     ;;
 esac

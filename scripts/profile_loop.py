@@ -95,7 +95,7 @@ def summarise(trace: dict, min_gap_us: float = 20.0) -> dict:
         "gpu_busy_percent": round(100 * busy_us / (hi - lo), 1),
         "streams_busy_percent": {s: round(100 * sum(b - a for a, b in union(v)) / (hi - lo), 1)
                                  for s, v in sorted(by_stream.items(), key=lambda kv: -len(kv[1]))},
-        "idle_gaps": {"count": len(gaps), "seconds": round(idle_us / 1e6, 3),
+        "idle_gaps": {"count": len(gaps), "seconds": round(idle_us / 1e6, 4),
                       "median_us": round(lengths[len(lengths) // 2], 1) if lengths else 0,
                       "longest_us": round(lengths[-1], 1) if lengths else 0, "at_least_us": min_gap_us},
         "during_idle_ms": {k: round(v / 1e3, 1) for k, v in sorted(host.items(), key=lambda kv: -kv[1])[:30]},

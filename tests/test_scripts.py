@@ -79,3 +79,27 @@ def test_a_report_names_the_code_that_ran():
         if recorded.get("code_tree"):
             named = report.get("tree", {}).get("commit") or recorded["commit"].rstrip("+")
             assert commit_code_tree(named) == recorded["code_tree"], f"{path.name}: {named} is not the code that ran"
+
+
+def test_the_profile_summary_finds_where_the_gpu_idles():
+    """profile_loop.summarise on a timeline made by hand: the GPU's busy share over the loop, its
+    idle gaps, and what the host threads were doing in them."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import profile_loop
+
+    def event(name, cat, ts, dur, **extra):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, **extra}
+
+    trace = {"traceEvents": [
+        event("gpudet loop", "user_annotation", 0, 1000, tid=1),
+        event("conv", "kernel", 0, 100, args={"stream": 7}),
+        event("copy", "gpu_memcpy", 300, 100, args={"stream": 9}),
+        event("cudaStreamSynchronize", "cuda_runtime", 90, 220, tid=5),
+        event("stage: postprocess", "user_annotation", 400, 600, tid=1),
+    ]}
+    summary = profile_loop.summarise(trace)
+    assert summary["gpu_busy_percent"] == 20.0 and summary["streams_busy_percent"] == {"7": 10.0, "9": 10.0}
+    assert summary["idle_gaps"] == {"count": 2, "seconds": 0.0008, "median_us": 600.0, "longest_us": 600.0,
+                                    "at_least_us": 20.0}
+    assert summary["during_idle_ms"] == {"thread 1: stage: postprocess": 0.6, "thread 5: cudaStreamSynchronize": 0.2}
+    assert summary["gpu_time_by_name_ms"] == {"kernel: conv": 0.1, "gpu_memcpy: copy": 0.1}
