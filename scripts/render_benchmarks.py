@@ -321,7 +321,8 @@ def speed_table() -> str:
         f"command, {num(detect['images_per_s'])} img/s once set up | |",
         f"| RetinaFace, the default config, batch 32 | {num(default['images_per_s']['gpudet'])} img/s | "
         f"{num(before['images_per_s']['gpudet'])} img/s the earlier default (now `retinaface_mnet025_e2e.yaml`: "
-        f"{num(e2e['images_per_s']['gpudet'])}); {default['ratios']['gpudet / naive']:.0f}x the naive loop |",
+        f"{num(e2e['images_per_s']['gpudet'])}); {default['ratios']['gpudet / naive']:.0f}x the naive loop (the same "
+        "fp16 model, batch 1, PIL and numpy) |",
         f"| RetinaNet R50-FPN fp16 800x800, batch 16, {ex_gpudet['detections_per_image']} detections per image "
         f"({ex['machine']['gpus'][0].replace('NVIDIA ', '')}) | {num(ex_gpudet['images_per_s'])} img/s | "
         f"{ex['ratios']['gpudet / ort alone']:.2f}x ORT alone, {ex['ratios']['gpudet / pytorch expert']:.2f}x the "
