@@ -4,9 +4,9 @@ The run writes into a local mirror of the prefix, a folder under gpudet's cache
 (~/.cache/gpudet/out/HASH, $XDG_CACHE_HOME honoured), where every rule of a local output folder
 holds: the lock, --resume, --overwrite, what is gpudet's. Its files go up as they are complete:
 each Parquet part once it is renamed into place, settings.json and errors.jsonl with them, and
-summary.json last, so that a prefix holding a summary.json holds the whole run. A mirror this
-machine lacks (another machine ran the job, the cache was cleared) is filled from the prefix
-first, so --resume goes on where any machine left off. Only gpudet's names are read, written or
+summary.json last, so that a prefix holding a summary.json holds the whole run. The prefix is the
+run's record: each command first makes the mirror what the prefix holds (another machine ran the
+job, the cache was cleared or is older), so --resume goes on where any machine left off. Only gpudet's names are read, written or
 removed under the prefix (layout.py): other objects there are never touched.
 
 JSONL stays local: its records are appended to, and --resume cuts an interrupted file back to its
@@ -83,19 +83,27 @@ class Mirror:
         return found
 
     def pull(self) -> None:
-        """The prefix's gpudet files into the mirror, when this machine has no run of it."""
+        """The mirror made what the prefix holds: the prefix is the run's record, whichever machine
+        wrote it. gpudet's files the prefix lacks go from the mirror (a part this machine wrote but
+        never uploaded is processed again by --resume, never merged with another machine's run);
+        those it holds come down where the mirror's differ."""
         try:
             remote = self._remote_names()
         except PermissionError:
             raise OutputError(f"--out {self.url}: the object store refused to list it; check the credentials "
                               "(--storage-option, the AWS_/GOOGLE_/AZURE_ variables)") from None
         self.local.mkdir(parents=True, exist_ok=True)
-        if not (self.local / layout.SETTINGS).exists():
-            for name in remote:
-                (self.local / name).parent.mkdir(parents=True, exist_ok=True)
-                self.fs.get_file(self._remote(name), str(self.local / name))
-            if remote:
-                log.info("the run so far at %s copied to %s", self.url, self.local)
+        local = {**self._local_names(), **({layout.SUMMARY: (self.local / layout.SUMMARY).stat().st_size}
+                                           if (self.local / layout.SUMMARY).is_file() else {})}
+        for name in local:
+            if name not in remote:
+                (self.local / name).unlink()
+        fetched = [name for name, size in remote.items() if local.get(name) != size or not name.startswith(PARTS)]
+        for name in fetched:
+            (self.local / name).parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(self._remote(name), str(self.local / name))
+        if fetched:
+            log.info("the run so far at %s copied to %s", self.url, self.local)
         self._sent = {k: v for k, v in remote.items() if k != layout.SUMMARY}
         self._summary_up = layout.SUMMARY in remote
 

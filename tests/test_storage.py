@@ -93,8 +93,8 @@ def test_parquet_results_at_an_s3_prefix(s3, tmp_path):
     """--out s3://.../results --format parquet: the run's files go up, summary.json last, and the
     table read back from the prefix is a local run's; a user's object under the prefix stays;
     --resume from a machine whose cache holds nothing of the run (the mirror filled from the
-    prefix) processes nothing twice; --overwrite replaces gpudet's objects only; JSONL at a
-    prefix is one line and exit 2."""
+    prefix) processes nothing twice; --overwrite replaces gpudet's objects only, and a machine whose
+    mirror is older than the prefix takes the prefix's run; JSONL at a prefix is one line and exit 2."""
     import boto3
     import pyarrow.parquet as pq
 
@@ -148,6 +148,10 @@ def test_parquet_results_at_an_s3_prefix(s3, tmp_path):
     parts = sorted(n for n in after if n.startswith("detections.parquet/"))
     assert after["notes.txt"] == b"mine" and parts and not set(parts) & set(found)  # new parts, the old ones gone
     assert without_paths(table(after)) == without_paths(got)
+
+    stale = run("--resume", cache="one")  # its mirror still holds the run before the overwrite: the prefix wins
+    assert stale.returncode == 0 and "nothing left to process" in stale.stdout, stale.stdout + stale.stderr
+    assert sorted(n for n in objects() if n.startswith("detections.parquet/")) == parts
 
 
 def moto_process(port: int, *, authorised_requests: float = float("inf")):
