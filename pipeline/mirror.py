@@ -4,10 +4,11 @@ The run writes into a local mirror of the prefix, a folder under gpudet's cache
 (~/.cache/gpudet/out/HASH, $XDG_CACHE_HOME honoured), where every rule of a local output folder
 holds: the lock, --resume, --overwrite, what is gpudet's. Its files go up as they are complete:
 each Parquet part once it is renamed into place, settings.json and errors.jsonl with them, and
-summary.json last, so that a prefix holding a summary.json holds the whole run. The prefix is the
-run's record: each command first makes the mirror what the prefix holds (another machine ran the
-job, the cache was cleared or is older), so --resume goes on where any machine left off. Only gpudet's names are read, written or
-removed under the prefix (layout.py): other objects there are never touched.
+summary.json last, so that a prefix holding a summary.json holds the whole run. The prefix is
+the run's record: each command first makes the mirror what the prefix holds (another machine ran
+the job, the cache was cleared or is older), so --resume goes on where any machine left off.
+Only gpudet's names are read, written or removed under the prefix (layout.py): other objects
+there are never touched.
 
 JSONL stays local: its records are appended to, and --resume cuts an interrupted file back to its
 last complete line, which an object store cannot do in place.
