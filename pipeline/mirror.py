@@ -32,6 +32,8 @@ log = logging.getLogger("gpudet")
 SYNC_S = 5.0
 """How often complete files go up while the run goes on."""
 PARTS = layout.DETECTIONS["parquet"]
+SYNCED = ".gpudet-mirror.json"
+"""In the mirror: gpudet's objects under the prefix, with their sizes, as the last upload left them."""
 
 
 def cache_root() -> Path:
@@ -96,10 +98,14 @@ class Mirror:
         self.local.mkdir(parents=True, exist_ok=True)
         local = {**self._local_names(), **({layout.SUMMARY: (self.local / layout.SUMMARY).stat().st_size}
                                            if (self.local / layout.SUMMARY).is_file() else {})}
+        # The prefix as this mirror last left it: then what the mirror holds beyond it is this
+        # machine's work not uploaded yet (an upload failed), and it stays, to go up with the next.
+        unchanged = self._last_synced() == {k: v for k, v in remote.items() if k != layout.SUMMARY}
         for name in local:
-            if name not in remote:
+            if name not in remote and not (unchanged and name != layout.SUMMARY):
                 (self.local / name).unlink()
-        fetched = [name for name, size in remote.items() if local.get(name) != size or not name.startswith(PARTS)]
+        fetched = [name for name, size in remote.items()  # unchanged: the mirror's own files are newer
+                   if name not in local or not unchanged and (local[name] != size or not name.startswith(PARTS))]
         for name in fetched:
             (self.local / name).parent.mkdir(parents=True, exist_ok=True)
             self.fs.get_file(self._remote(name), str(self.local / name))
@@ -127,6 +133,13 @@ class Mirror:
             if final and not self._summary_up and (self.local / layout.SUMMARY).is_file():
                 self.fs.pipe_file(self._remote(layout.SUMMARY), self._summary())
                 self._summary_up = True
+            (self.local / SYNCED).write_text(json.dumps(self._sent, sort_keys=True))
+
+    def _last_synced(self) -> dict[str, int] | None:
+        try:
+            return json.loads((self.local / SYNCED).read_text())
+        except (OSError, ValueError):
+            return None
 
     def _summary(self) -> bytes:
         """summary.json as it goes up: its out and results name the prefix, mirror the folder here."""
@@ -153,10 +166,18 @@ class Mirror:
 
         thread = threading.Thread(target=loop, name="gpudet-upload", daemon=True)
         thread.start()
+        failed = None
         try:
             yield self.local
         finally:
             stop.set()
             thread.join()
-            self.push(final=True)
-            log.info("results uploaded to %s", self.url)
+            try:
+                self.push(final=True)
+            except Exception as e:  # noqa: BLE001 (said below, or beside the error the run stopped on)
+                failed = e
+                log.warning("uploading to %s: %s", self.url, e)
+        if failed is not None:  # the run ended: its results are here, not all of them there
+            raise OutputError(f"--out {self.url}: uploading the results failed ({failed}); they are in "
+                              f"{self.local}: run the same command with --resume") from None
+        log.info("results uploaded to %s", self.url)

@@ -154,6 +154,44 @@ def test_parquet_results_at_an_s3_prefix(s3, tmp_path):
     assert sorted(n for n in objects() if n.startswith("detections.parquet/")) == parts
 
 
+def test_the_mirror_keeps_what_it_could_not_upload_until_the_prefix_moves_on(s3, tmp_path, monkeypatch):
+    """An object-store --out's mirror against the prefix: a part written here whose upload failed
+    stays in the mirror while the prefix is as this mirror left it (the next command uploads it),
+    and goes once another machine changed the prefix (the prefix is the run's record)."""
+    import boto3
+
+    from pipeline import storage
+    from pipeline.mirror import Mirror
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    storage.set_options([f"endpoint_url={s3}"])
+    client = boto3.client("s3", endpoint_url=s3, aws_access_key_id="testing", aws_secret_access_key="testing",
+                          region_name="us-east-1")
+    mirror = Mirror("s3://photos/kept")
+    mirror.pull()
+    (mirror.local / "settings.json").write_text('{"gpudet": "0"}')
+    (mirror.local / "detections.parquet").mkdir()
+    first, second = (f"detections.parquet/part-{n}-0000000{n}.parquet" for n in (1, 2))
+    (mirror.local / first).write_bytes(b"one")
+    mirror.push(final=True)
+    (mirror.local / second).write_bytes(b"two")  # written here; its upload never happened
+
+    again = Mirror("s3://photos/kept")
+    again.pull()
+    assert (again.local / second).read_bytes() == b"two"
+    again.push(final=True)
+    assert client.get_object(Bucket="photos", Key=f"kept/{second}")["Body"].read() == b"two"
+
+    (again.local / "detections.parquet" / "part-3-00000003.parquet").write_bytes(b"three")  # not uploaded
+    client.delete_object(Bucket="photos", Key=f"kept/{first}")  # another machine's --overwrite, say
+    later = Mirror("s3://photos/kept")
+    later.pull()
+    assert sorted(p.name for p in (later.local / "detections.parquet").iterdir()) == ["part-2-00000002.parquet"]
+    storage.set_options([])
+
+
 def moto_process(port: int, *, authorised_requests: float = float("inf")):
     """moto's S3 server in a process of its own, with the samples under s3://photos/set/, that
     honours the credentials for its first `authorised_requests` requests (setting up included) and
