@@ -20,12 +20,14 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 
 from . import layout, storage
-from .errors import ConfigError, OutputError
+from .errors import ConfigError, GpudetError, OutputError
+from .folder import remove_shards
 
 log = logging.getLogger("gpudet")
 
@@ -33,12 +35,17 @@ SYNC_S = 5.0
 """How often complete files go up while the run goes on."""
 PARTS = layout.DETECTIONS["parquet"]
 SYNCED = ".gpudet-mirror.json"
-"""In the mirror: gpudet's objects under the prefix, with their sizes, as the last upload left them."""
+"""In the mirror: gpudet's objects under the prefix as this mirror last left them (name: size and
+signature), updated after each upload and removal."""
 
 
 def cache_root() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "gpudet" / "out"
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:300] or type(error).__name__
 
 
 class Mirror:
@@ -49,9 +56,11 @@ class Mirror:
             raise ConfigError(f"--out {url}: gpudet writes to s3://, gs:// and az:// prefixes, not to web servers")
         self.url = url.rstrip("/")
         self.fs, self.path = storage.fs_of(self.url)
-        self.local = cache_root() / hashlib.sha256(self.url.encode()).hexdigest()[:16]
-        self._sent: dict[str, int] = {}
-        """Name under the prefix -> the size uploaded."""
+        where = f"{self.url} {storage.options().get('endpoint_url', '')}"  # one bucket name on two stores: two
+        self.local = cache_root() / hashlib.sha256(where.encode()).hexdigest()[:16]
+        self._sent: dict[str, list] = {}
+        """Name under the prefix -> [size, signature] of what went up (SYNCED keeps it)."""
+        self._summary_up = False
         self._lock = threading.Lock()
 
     def _remote(self, name: str) -> str:
@@ -75,71 +84,89 @@ class Mirror:
                 found[f"{PARTS}/{name}"] = int(entry["size"])
         return found
 
-    def _local_names(self) -> dict[str, int]:
+    def _local_files(self) -> dict[str, list]:
+        """gpudet's files in the mirror but the summary: name -> [size, signature]. A part's name is
+        its identity (written once, never changed); the other files are known by their content."""
         found = {}
         for name in (layout.SETTINGS, layout.ERRORS):
-            if (self.local / name).is_file():
-                found[name] = (self.local / name).stat().st_size
+            path = self.local / name
+            if path.is_file() and not path.is_symlink():
+                data = path.read_bytes()
+                found[name] = [len(data), hashlib.sha256(data).hexdigest()]
         for part in sorted((self.local / PARTS).glob("part-*.parquet")):
             if layout.PARQUET_PART.fullmatch(part.name) and part.is_file() and not part.is_symlink():
-                found[f"{PARTS}/{part.name}"] = part.stat().st_size
+                size = part.stat().st_size
+                found[f"{PARTS}/{part.name}"] = [size, str(size)]
         return found
 
+    def _write_synced(self) -> None:
+        (self.local / SYNCED).write_text(json.dumps(self._sent, sort_keys=True))
+
+    def _last_synced(self) -> dict[str, list] | None:
+        try:
+            value = json.loads((self.local / SYNCED).read_text())
+        except (OSError, ValueError):
+            return None
+        return value if isinstance(value, dict) else None
+
     def pull(self) -> None:
-        """The mirror made what the prefix holds: the prefix is the run's record, whichever machine
-        wrote it. gpudet's files the prefix lacks go from the mirror (a part this machine wrote but
-        never uploaded is processed again by --resume, never merged with another machine's run);
-        those it holds come down where the mirror's differ."""
+        """Before the run: the mirror made what the prefix holds, the prefix being the run's record.
+        Where the prefix is as this mirror last left it, the mirror is as new or newer (uploads
+        that failed, removals not yet made) and stays; otherwise another machine wrote the prefix
+        since (or this machine never did): the mirror's files and shards the prefix lacks go, and
+        its files come down."""
         try:
             remote = self._remote_names()
-        except PermissionError:
-            raise OutputError(f"--out {self.url}: the object store refused to list it; check the credentials "
-                              "(--storage-option, the AWS_/GOOGLE_/AZURE_ variables)") from None
-        self.local.mkdir(parents=True, exist_ok=True)
-        local = {**self._local_names(), **({layout.SUMMARY: (self.local / layout.SUMMARY).stat().st_size}
-                                           if (self.local / layout.SUMMARY).is_file() else {})}
-        # The prefix as this mirror last left it: then what the mirror holds beyond it is this
-        # machine's work not uploaded yet (an upload failed), and it stays, to go up with the next.
-        unchanged = self._last_synced() == {k: v for k, v in remote.items() if k != layout.SUMMARY}
-        for name in local:
-            if name not in remote and not (unchanged and name != layout.SUMMARY):
-                (self.local / name).unlink()
-        fetched = [name for name, size in remote.items()  # unchanged: the mirror's own files are newer
-                   if name not in local or not unchanged and (local[name] != size or not name.startswith(PARTS))]
-        for name in fetched:
-            (self.local / name).parent.mkdir(parents=True, exist_ok=True)
-            self.fs.get_file(self._remote(name), str(self.local / name))
-        if fetched:
-            log.info("the run so far at %s copied to %s", self.url, self.local)
-        self._sent = {k: v for k, v in remote.items() if k != layout.SUMMARY}
+            self.local.mkdir(parents=True, exist_ok=True)
+            synced = self._last_synced()
+            kept = {k: v for k, v in remote.items() if k != layout.SUMMARY}
+            if synced is not None and {k: v[0] for k, v in synced.items()} == kept:
+                self._sent = synced
+            else:
+                local = self._local_files()
+                for name in local:
+                    if name not in remote:
+                        (self.local / name).unlink()
+                (self.local / layout.SUMMARY).unlink(missing_ok=True)
+                remove_shards(self.local)  # another run's records: never merged into this one
+                for name in remote:
+                    if not name.startswith(PARTS) or local.get(name, [None])[0] != remote[name]:
+                        (self.local / name).parent.mkdir(parents=True, exist_ok=True)
+                        self.fs.get_file(self._remote(name), str(self.local / name))
+                if remote:
+                    log.info("the run so far at %s copied to %s", self.url, self.local)
+                self._sent = {k: v for k, v in self._local_files().items() if k in kept}
+                self._write_synced()
+        except GpudetError:
+            raise
+        except Exception as e:  # noqa: BLE001 (the store, the network, the cache's disk: one line)
+            raise OutputError(f"--out {self.url}: cannot read it into {self.local} ({one_line(e)}); check the "
+                              "bucket, the endpoint and the credentials (--storage-option, the AWS_/GOOGLE_/AZURE_ "
+                              "variables)") from None
         self._summary_up = layout.SUMMARY in remote
 
     def push(self, final: bool = False) -> None:
-        """Complete files up; final: parts the run removed (--overwrite) gone from the prefix too,
-        then summary.json. A run that changed nothing (refused, say) changes nothing there."""
+        """What changed in the mirror made so under the prefix: gpudet's objects the mirror no longer
+        holds removed (--overwrite), new and changed files uploaded, each step recorded in SYNCED;
+        final: then summary.json. Nothing changed, nothing is done (a refused run, say)."""
         with self._lock:
-            local = self._local_names()
-            changed = [name for name, size in local.items() if self._sent.get(name) != size]
-            removed = [name for name in self._sent if name not in local] if final else []
+            local = self._local_files()
+            changed = [name for name, sig in local.items() if self._sent.get(name) != sig]
+            removed = [name for name in self._sent if name not in local]
             if (changed or removed) and self._summary_up:  # the old summary no longer tells this run
                 self.fs.rm_file(self._remote(layout.SUMMARY))
                 self._summary_up = False
-            for name in changed:
-                self.fs.put_file(str(self.local / name), self._remote(name))
-                self._sent[name] = local[name]
             for name in removed:
                 self.fs.rm_file(self._remote(name))
                 del self._sent[name]
+                self._write_synced()
+            for name in changed:
+                self.fs.put_file(str(self.local / name), self._remote(name))
+                self._sent[name] = local[name]
+                self._write_synced()
             if final and not self._summary_up and (self.local / layout.SUMMARY).is_file():
                 self.fs.pipe_file(self._remote(layout.SUMMARY), self._summary())
                 self._summary_up = True
-            (self.local / SYNCED).write_text(json.dumps(self._sent, sort_keys=True))
-
-    def _last_synced(self) -> dict[str, int] | None:
-        try:
-            return json.loads((self.local / SYNCED).read_text())
-        except (OSError, ValueError):
-            return None
 
     def _summary(self) -> bytes:
         """summary.json as it goes up: its out and results name the prefix, mirror the folder here."""
@@ -176,8 +203,9 @@ class Mirror:
                 self.push(final=True)
             except Exception as e:  # noqa: BLE001 (said below, or beside the error the run stopped on)
                 failed = e
-                log.warning("uploading to %s: %s", self.url, e)
+                if sys.exc_info()[0] is not None:
+                    log.warning("uploading to %s: %s", self.url, one_line(e))
         if failed is not None:  # the run ended: its results are here, not all of them there
-            raise OutputError(f"--out {self.url}: uploading the results failed ({failed}); they are in "
-                              f"{self.local}: run the same command with --resume") from None
+            raise OutputError(f"--out {self.url}: uploading the results failed ({one_line(failed)}); they are kept "
+                              f"in {self.local}: run again with --resume to upload them") from None
         log.info("results uploaded to %s", self.url)

@@ -157,7 +157,9 @@ def test_parquet_results_at_an_s3_prefix(s3, tmp_path):
 def test_the_mirror_keeps_what_it_could_not_upload_until_the_prefix_moves_on(s3, tmp_path, monkeypatch):
     """An object-store --out's mirror against the prefix: a part written here whose upload failed
     stays in the mirror while the prefix is as this mirror left it (the next command uploads it),
-    and goes once another machine changed the prefix (the prefix is the run's record)."""
+    and goes once another machine changed the prefix (the prefix is the run's record); the parts
+    an --overwrite removed go from the prefix with the first upload, and a settings.json of the
+    same size but other content goes up."""
     import boto3
 
     from pipeline import storage
@@ -189,6 +191,18 @@ def test_the_mirror_keeps_what_it_could_not_upload_until_the_prefix_moves_on(s3,
     later = Mirror("s3://photos/kept")
     later.pull()
     assert sorted(p.name for p in (later.local / "detections.parquet").iterdir()) == ["part-2-00000002.parquet"]
+
+    # --overwrite here: the old part goes from the prefix with the first upload, not only at the end
+    (later.local / second).unlink()
+    (later.local / "detections.parquet" / "part-4-00000004.parquet").write_bytes(b"four")
+    (later.local / "settings.json").write_text('{"gpudet": "1"}')  # the same size, other settings
+    later.push()  # the run goes on (or is killed after this)
+    listed = client.list_objects_v2(Bucket="photos", Prefix="kept/detections.parquet/")["Contents"]
+    assert [o["Key"].rsplit("/", 1)[1] for o in listed] == ["part-4-00000004.parquet"]
+    assert client.get_object(Bucket="photos", Key="kept/settings.json")["Body"].read() == b'{"gpudet": "1"}'
+    resumed = Mirror("s3://photos/kept")
+    resumed.pull()
+    assert sorted(p.name for p in (resumed.local / "detections.parquet").iterdir()) == ["part-4-00000004.parquet"]
     storage.set_options([])
 
 
