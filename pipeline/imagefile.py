@@ -22,8 +22,9 @@ SIGNATURES = (
 PNG_END = b"IEND\xaeB`\x82"
 """A PNG's last chunk, IEND, with its CRC: a PNG cut short lacks it, and DALI's CPU PNG decoder can
 crash the process on one (SIGSEGV)."""
-PNG_END_WITHIN = 65536
-"""How far from a PNG's end IEND is looked for: bytes appended after it (rare) are allowed."""
+END_WITHIN = 65536
+"""How far from a file's end its end marker (a PNG's IEND, a JPEG's EOI) is looked for: bytes
+appended after it (rare) are allowed."""
 JPEG_END = b"\xff\xd9"
 """A JPEG's end-of-image marker (EOI)."""
 
@@ -48,9 +49,9 @@ class JpegFrame(NamedTuple):
     width: int
     height: int
     components: int = 3
+    """1 grey, 3 YCbCr (or RGB), 4 CMYK or YCCK."""
     offset: int = 0
     """Where the frame header starts in the file."""
-    """1 grey, 3 YCbCr (or RGB), 4 CMYK or YCCK."""
 
 
 DALI_JPEG = frozenset({0xC0, 0xC1, 0xC2})
@@ -158,9 +159,12 @@ def jpeg_ends(data, frame: JpegFrame) -> bool:
     numpy array). A file cut short has none, and the GPU's decoder turns such a file into an
     image without an error. Entropy-coded data never holds 0xFF 0xD9 (an 0xFF there is followed
     by 0x00 or a restart marker), and an EXIF thumbnail's EOI comes before the main frame header.
-    Data after the EOI (a phone's motion-photo video, a maker's trailer) is allowed: the last
-    64 KB are looked at first, the rest only when they hold no EOI."""
-    tail = data[max(frame.offset, len(data) - PNG_END_WITHIN):].tobytes()
+    Data after the EOI (a phone's motion-photo video, a maker's trailer) is allowed: the file's
+    last two bytes are looked at first (most JPEGs end there), then its last END_WITHIN bytes,
+    the rest only when they hold no EOI."""
+    if len(data) >= 2 and data[-2] == JPEG_END[0] and data[-1] == JPEG_END[1]:
+        return True
+    tail = data[max(frame.offset, len(data) - END_WITHIN):].tobytes()
     return JPEG_END in tail or JPEG_END in data[frame.offset:].tobytes()
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from . import storage
-from .imagefile import DALI_JPEG, JPEG_KINDS, PNG_END, PNG_END_WITHIN, exif_orientation, image_size, jpeg_frame, \
+from .imagefile import DALI_JPEG, JPEG_KINDS, END_WITHIN, PNG_END, exif_orientation, image_size, jpeg_frame, \
     jpeg_ends, least_bits, sniff_format
 from .results import ImageError, ImageRef
 
@@ -193,7 +193,7 @@ def checked_bytes(item: EncodedImage, max_pixels: int = 0,
         return ImageError(ref.index, ref.path, "too_large",
                           f"{kind} declares {size[0]}x{size[1]} = {size[0] * size[1]:,} pixels, over the limit of "
                           f"{max_pixels:,} (raise preprocess.max_pixels if this image is genuine)")
-    if kind == "png" and PNG_END not in data[-PNG_END_WITHIN:].tobytes():
+    if kind == "png" and PNG_END not in data[-END_WITHIN:].tobytes():
         return ImageError(ref.index, ref.path, "truncated",
                           "png ends before its last chunk (IEND): the file was cut short, e.g. by an interrupted "
                           "download or copy; fetch or copy it again")
