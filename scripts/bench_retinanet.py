@@ -110,19 +110,21 @@ def export_models(out: Path, model: torch.nn.Module, shift: float, batch: int, s
     return files
 
 
-GPUDET_VARIANTS = {  # row: (model, overrides)
-    "gpudet": ("heads_fp16_load", []),
-    "gpudet, zero-load bound (no detection survives)": ("heads_fp16_zero", []),
-    "gpudet, heavy-NMS bound (score 0: 300 per image)": ("heads_fp16_load", ["postprocess.score_threshold=0.0"]),
+ZERO = "gpudet, zero-load bound (no detection survives)"
+HEAVY = "gpudet, heavy-NMS bound (score 0: 300 per image)"
+GPUDET_SECTIONS = {  # section: (row, model, overrides)
+    "gpudet": ("gpudet", "heads_fp16_load", []),
+    "zero": (ZERO, "heads_fp16_zero", []),
+    "heavy": (HEAVY, "heads_fp16_load", ["postprocess.score_threshold=0.0"]),
 }
 
 
-def gpudet_rows(variant: str, paths_file: str, files: dict[str, Path], batch: int, size_hw: tuple[int, int],
+def gpudet_rows(section: str, paths_file: str, files: dict[str, Path], batch: int, size_hw: tuple[int, int],
                 passes: int, log) -> dict:
     """gpudet end to end (JSONL, then Parquet from the same detector), and for the loaded model ORT
     alone on the same model file and engine options, one batch again and again."""
     refs = list_images(paths_file)
-    model, overrides = GPUDET_VARIANTS[variant]
+    variant, model, overrides = GPUDET_SECTIONS[section]
     config = load_config(CONFIG, [f"model.path={files[model]}", f"run.device={DEVICE}", f"run.batch_size={batch}",
                                   f"preprocess.size={list(size_hw)}", *overrides])
     detector = Detector.from_config(config)
@@ -136,7 +138,7 @@ def gpudet_rows(variant: str, paths_file: str, files: dict[str, Path], batch: in
         results[label] = row(len(refs), [r.seconds for r in runs], round(median.detections_per_image * len(refs)),
                              setup_s, stages_s=median.stages)
         log(f"{label}: {results[label]}")
-    if variant == "gpudet":
+    if section == "gpudet":
         items = [i for i in map(read_checked, refs[:detector.batch_size]) if isinstance(i, EncodedImage)]
         rates = [model_images_per_s(items, detector, iterations=50) for _ in range(passes)]
         results["ort alone"] = {"images_per_s": round(statistics.median(rates), 1),
@@ -426,9 +428,8 @@ def run_section(name: str, a: argparse.Namespace, paths: list[str], files: dict[
     """One section, in this process."""
     size_hw = tuple(a.size)
     listed = str(a.out / "images.txt")
-    if name in ("gpudet", "zero", "heavy"):
-        variant = list(GPUDET_VARIANTS)[["gpudet", "zero", "heavy"].index(name)]
-        return gpudet_rows(variant, listed, files, a.batch_size, size_hw, a.passes, log)
+    if name in GPUDET_SECTIONS:
+        return gpudet_rows(name, listed, files, a.batch_size, size_hw, a.passes, log)
     if name == "naive":
         return naive(listed, files, a.naive_limit, size_hw, log)
     model = exporter.build_model("retinanet_resnet50_fpn", None, 91, 0)
@@ -498,15 +499,14 @@ def main() -> None:
         report_path.write_text(json.dumps(report, indent=2) + "\n")
     r = report["results"]
     rate = {k: v["images_per_s"] for k, v in r.items()}
-    heavy, zero = list(GPUDET_VARIANTS)[2], list(GPUDET_VARIANTS)[1]
     pairs = {"gpudet / ort alone": ("gpudet", "ort alone"),
              "gpudet / pytorch expert": ("gpudet", EXPERT),
              "gpudet / pytorch usual": ("gpudet", USUAL),
              "gpudet / naive": ("gpudet", NAIVE),
              "ort alone / torch eager": ("ort alone", "torch eager fp16 channels_last (model only)"),
-             "gpudet heavy-NMS bound / gpudet zero-load bound": (heavy, zero),
+             "gpudet heavy-NMS bound / gpudet zero-load bound": (HEAVY, ZERO),
              "gpudet heavy-NMS bound / gpudet zero-load bound, --format parquet": (
-                 f"{heavy}, --format parquet", f"{zero}, --format parquet"),
+                 f"{HEAVY}, --format parquet", f"{ZERO}, --format parquet"),
              "gpudet --format parquet / ort alone": ("gpudet, --format parquet", "ort alone")}
     report["ratios"] = {name: round(rate[top] / rate[bottom], 3) for name, (top, bottom) in pairs.items()
                         if rate.get(top) and rate.get(bottom)}
