@@ -56,9 +56,9 @@ def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def overlap_with(gaps: list[tuple[float, float]], start: float, end: float) -> float:
-    """Microseconds of [start, end) inside the gaps (sorted, disjoint)."""
-    total, i = 0.0, max(0, bisect.bisect_right([g[0] for g in gaps], start) - 1) if gaps else 0
+def overlap_with(gaps: list[tuple[float, float]], starts: list[float], start: float, end: float) -> float:
+    """Microseconds of [start, end) inside the gaps (sorted, disjoint; `starts`: their starts)."""
+    total, i = 0.0, max(0, bisect.bisect_right(starts, start) - 1)
     while i < len(gaps) and gaps[i][0] < end:
         total += max(0.0, min(end, gaps[i][1]) - max(start, gaps[i][0]))
         i += 1
@@ -83,11 +83,9 @@ def summarise(trace: dict, min_gap_us: float = 20.0) -> dict:
     host: dict[str, float] = defaultdict(float)  # (thread, what) -> microseconds inside the gaps
     for e in inside:
         if e.get("cat") in HOST_KINDS or str(e.get("name", "")).startswith("stage: "):
-            if not gaps:
-                break
-            i = max(0, bisect.bisect_right(starts, e["ts"]) - 1)
-            if gaps[i][0] < e["ts"] + e["dur"]:
-                host[f"thread {e.get('tid')}: {e['name']}"] += overlap_with(gaps[i:], e["ts"], e["ts"] + e["dur"])
+            idle = overlap_with(gaps, starts, e["ts"], e["ts"] + e["dur"])
+            if idle:
+                host[f"thread {e.get('tid')}: {e['name']}"] += idle
     idle_us = sum(b - a for a, b in gaps)
     lengths = sorted(b - a for a, b in gaps)
     return {
