@@ -189,7 +189,7 @@ class Mirror:
                 try:
                     self.push()
                 except Exception as e:  # noqa: BLE001 (a failed upload is tried again next time and at the end)
-                    log.warning("uploading to %s: %s; trying again", self.url, e)
+                    log.warning("uploading to %s: %s; trying again", self.url, one_line(e))
 
         thread = threading.Thread(target=loop, name="gpudet-upload", daemon=True)
         thread.start()
