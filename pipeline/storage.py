@@ -7,8 +7,12 @@ AWS_ENDPOINT_URL, profiles, instance roles, ...); `--storage-option KEY=VALUE` g
 options they take (endpoint_url=..., anon=true), never logged. The options reach --devices workers
 and Ray actors through the GPUDET_STORAGE_OPTIONS variable.
 
-A source's objects are fetched many at once (fsspec's `cat` of a reading thread's share of a
-batch: tens of requests in flight over the reading threads); a transient failure (a 5xx status,
+A source's objects are fetched many at once: tens of requests in flight over the reading threads,
+each thread's share of a batch at once. S3 objects go through obstore (Rust, its requests outside
+the GIL: s3fs's own spend about a millisecond of the GIL each, which caps a process near a thousand
+objects a second), with the endpoint, region and credentials s3fs resolved, so both find them
+alike; what obstore cannot fetch (any failure but a missing or refused object) is fetched again
+through s3fs, as every other scheme's objects are (fsspec's `cat`). A transient failure (a 5xx status,
 throttling, a connection reset, a timeout) is tried again with backoff, TRIES times in all, then
 the image is recorded `unreadable` with the error; a missing object is `missing` and a refused one
 `forbidden` at once. A refusal of an object the store served before in this run is no object's
@@ -18,15 +22,17 @@ was recorded stays for --resume.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import time
+from datetime import datetime, timedelta, timezone
 from functools import lru_cache
 
 from .errors import ConfigError, CredentialsRefused, SourceError
 
-SCHEMES = {"s3": "s3fs (pip install 'gpudet[s3]')", "gs": "gcsfs (pip install 'gpudet[gcs]')",
+SCHEMES = {"s3": "s3fs and obstore (pip install 'gpudet[s3]')", "gs": "gcsfs (pip install 'gpudet[gcs]')",
            "gcs": "gcsfs (pip install 'gpudet[gcs]')", "az": "adlfs (pip install 'gpudet[azure]')",
            "abfs": "adlfs (pip install 'gpudet[azure]')", "abfss": "adlfs (pip install 'gpudet[azure]')",
            "http": "aiohttp (pip install 'gpudet[http]')", "https": "aiohttp (pip install 'gpudet[http]')"}
@@ -177,6 +183,89 @@ def check_credentials(fs, refused_url: str) -> None:
         return
 
 
+FAST: dict[tuple[int, str], object] = {}
+"""Per s3fs filesystem (its id) and bucket, obstore's store for it, or None where there is none."""
+
+
+def fast_store(fs, bucket: str):
+    """obstore's S3Store for `bucket` as s3fs's `fs` reaches it (its endpoint, region and
+    credentials, however they were found), or None: not an S3 filesystem, obstore not installed,
+    or a bucket the store failed on whole (s3fs fetches those alone)."""
+    key = (id(fs), bucket)
+    if key not in FAST:
+        FAST[key] = None
+        if type(fs).__name__ == "S3FileSystem":
+            try:
+                from obstore.store import S3Store
+            except ImportError:
+                return None
+            FAST[key] = s3_store(S3Store, fs, bucket)
+    return FAST[key]
+
+
+def s3_store(S3Store, fs, bucket: str):
+    from fsspec.asyn import sync
+
+    client = sync(fs.loop, fs.set_session)
+    endpoint, region = client.meta.endpoint_url, client.meta.region_name or "us-east-1"
+    settings = {"region": region, "client_options": {"allow_http": endpoint.startswith("http://"),
+                                                     "connect_timeout": "10s", "timeout": "60s"},
+                "retry_config": {"max_retries": 0}}  # a failure goes to s3fs, which tries again with backoff
+    if not re.match(r"https://s3[.-]([a-z0-9-]+\.)?amazonaws\.com", endpoint):  # AWS's own: obstore finds it by region
+        settings["endpoint"] = endpoint
+    if fs.anon:
+        return S3Store(bucket, skip_signature=True, **settings)
+    if fs.key and fs.secret:
+        fixed = {"access_key_id": fs.key, "secret_access_key": fs.secret, "token": fs.token, "expires_at": None}
+        return S3Store(bucket, credential_provider=lambda: fixed, **settings)
+    found = sync(fs.loop, fs.session.get_credentials)  # AWS_* variables, profiles, instance roles, ...
+    if found is None:
+        return None
+
+    def credentials():  # asked again before `expires_at`: a refreshed session token reaches the store
+        frozen = sync(fs.loop, found.get_frozen_credentials)
+        return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key, "token": frozen.token,
+                "expires_at": datetime.now(timezone.utc) + timedelta(minutes=5)}
+
+    return S3Store(bucket, credential_provider=credentials, **settings)
+
+
+def fast_fetch(fs, paths: list[str]) -> dict[str, bytes | OSError]:
+    """What obstore fetched of `paths` (s3fs's, "bucket/key"), all at once: bytes, or
+    FileNotFoundError / PermissionError for a missing or refused object; the others are left out
+    (s3fs fetches them). A bucket whose store has failed every request it made goes to s3fs alone."""
+    import obstore
+    from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
+
+    stores = {bucket: fast_store(fs, bucket) for bucket in {p.split("/", 1)[0] for p in paths}}
+
+    async def one(path: str) -> bytes | OSError | None:
+        bucket, _, key = path.partition("/")
+        try:
+            return bytes(await (await obstore.get_async(stores[bucket], key)).bytes_async())
+        except NotFoundError as e:
+            return FileNotFoundError(str(e))
+        except (PermissionDeniedError, UnauthenticatedError) as e:
+            return PermissionError(str(e))
+        except Exception:  # noqa: BLE001 - s3fs tries it again, and says what failed
+            return None
+
+    async def all_of(todo: list[str]) -> list[bytes | OSError | None]:
+        return await asyncio.gather(*(one(p) for p in todo))
+
+    todo = [p for p in paths if stores[p.split("/", 1)[0]] is not None]
+    got = dict(zip(todo, asyncio.run(all_of(todo)))) if todo else {}
+    SERVED.update((id(fs), path.split("/", 1)[0]) for path, value in got.items() if value is not None)
+    for bucket in stores:
+        if (id(fs), bucket) not in SERVED:
+            FAST[(id(fs), bucket)] = None
+    return {path: value for path, value in got.items() if value is not None}
+
+
+SERVED: set[tuple[int, str]] = set()
+"""The stores in FAST that have answered a request."""
+
+
 def fetch(urls: list[str]) -> dict[str, bytes | Unreadable]:
     """Each URL's bytes, fetched concurrently, or why it could not be (Unreadable); transient
     failures tried again with backoff. CredentialsRefused where the store stops honouring the
@@ -188,7 +277,15 @@ def fetch(urls: list[str]) -> dict[str, bytes | Unreadable]:
         by_fs.setdefault(id(fs), (fs, {}))[1][path] = url
     for fs, paths in by_fs.values():
         todo, wait = list(paths), BACKOFF_S
-        for attempt in range(TRIES):
+        if type(fs).__name__ == "S3FileSystem":
+            for path, value in fast_fetch(fs, todo).items():
+                if isinstance(value, bytes):
+                    results[paths[path]] = value
+                    READ_BEFORE.setdefault(id(fs), path)
+                else:
+                    results[paths[path]] = classified(value)
+            todo = [path for path in todo if paths[path] not in results]
+        for attempt in range(TRIES if todo else 0):
             try:
                 got = fs.cat(todo, on_error="return")  # a list: a dict of each path's bytes or error
             except Exception as e:  # the whole call failed (the endpoint unreachable): each path's error

@@ -242,7 +242,7 @@ def test_credentials_refused_mid_run_stop_it_with_one_line_and_resume_finishes(t
     listing = tmp_path / "list.txt"
     listing.write_text("".join(f"s3://photos/set/{name}\n" for name in IMAGES * 4))  # 24 images
     port = free_port()
-    reads = 16 * (2 if executor else 1)  # each worker reads ahead on its own
+    reads = 20 if executor else 16  # of 24 GETs; 12 images a worker: each worker is served some before the refusals
     server, endpoint = moto_process(port, authorised_requests=1 + len(IMAGES) + reads)  # the bucket, the uploads
     try:
         run = on_s3("detect", listing, "--out", tmp_path / "o", "--batch-size", "2", "--set", "run.num_threads=1",
