@@ -4,6 +4,12 @@ Each report is a file a run wrote on the GPU machine (`gpudet bench --json`, ben
 a run's summary.json), kept as it came back, with the commit of the tree that ran it ("tree").
 No number in those tables is typed by hand: change a report, run this, commit both.
 
+A number in the prose around them must be in a report too: every number in docs/BENCHMARKS.md
+and in the README's speed section, outside the tables and code, appears (at the precision written,
+or as a percentage) in a report its section names (a file of docs/bench/, or a folder of them) or
+renders. Versions, dates, sizes (640x640), names with digits (H200, fp16) and single digits are
+not measurements and are left alone.
+
     python scripts/render_benchmarks.py          # rewrite the tables between the markers
     python scripts/render_benchmarks.py --check  # exit 1 if the docs are not what the reports say
 """
@@ -501,6 +507,9 @@ SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "setup": set
             "omp": omp_table, "cpu": cpu_table, "expert": expert_table}
 
 
+ALL_SECTIONS = SECTIONS | {"speed": speed_table}
+
+
 def render(text: str, sections: dict) -> str:
     """The text with each section's table rendered between its markers; a section whose markers
     are missing is an error, not a section skipped."""
@@ -510,6 +519,80 @@ def render(text: str, sections: dict) -> str:
         if found != 1:
             raise SystemExit(f"render_benchmarks: the markers of section {name!r} are missing or repeated")
     return text
+
+
+NOT_MEASURED = [r"```.*?```", r"`[^`\n]*`", r"<!-- rendered: \w+ -->.*?<!-- end -->", r"\]\([^)]*\)",
+                r"\b\d{4}-\d{2}-\d{2}\b", r"\b\d+(?:\.\d+){2,}\b", r"\b\d+x\d+\b", r"[\w./-]+\.(?:json|txt|py|yaml|md)\b",
+                r"\b[\w-]*[A-Za-z_][\w-]*\d\w*\b(?<!\dx)|\b\d+[A-Za-z_]\w*\b(?<!\dx)"]
+"""Code, rendered tables, links, dates, versions, sizes, names with digits (H200, fp16, R50-FPN):
+no measurements. A ratio keeps its number (1.22x)."""
+NUMBER = re.compile(r"(?<![\d.])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?!\d)")
+
+
+def report_numbers(node, into: set[float]) -> None:
+    """Every number of a report: its values, the numbers inside its strings, its lists' lengths."""
+    if isinstance(node, bool) or node is None:
+        return
+    if isinstance(node, (int, float)):
+        into.add(float(node))
+    elif isinstance(node, str):
+        into.update(float(m.group(0).replace(",", "")) for m in NUMBER.finditer(node))
+    else:
+        if isinstance(node, list):
+            into.add(float(len(node)))
+        for value in (node.values() if isinstance(node, dict) else node):
+            report_numbers(value, into)
+
+
+def named_reports(section: str) -> set[Path]:
+    """The reports a section names: files of docs/bench/ (by path or name), folders of them, and
+    those its rendered tables load."""
+    found = set()
+    for match in re.finditer(r"([\w./-]+\.(?:json|txt))\b", section):
+        found.update(BENCH.rglob(Path(match.group(1)).name))
+    for match in re.finditer(r"docs/bench/([\w/]+)/", section):
+        found.update(p for p in (BENCH / match.group(1)).rglob("*") if p.suffix in (".json", ".txt"))
+    for name in re.findall(r"<!-- rendered: (\w+) -->", section):
+        loaded = []
+        original = globals()["load"]
+        globals()["load"] = lambda report: (loaded.append(report), original(report))[1]
+        try:
+            ALL_SECTIONS[name]()
+        finally:
+            globals()["load"] = original
+        found.update(BENCH / f"{report}.json" for report in loaded)
+    return found
+
+
+def section_numbers(section: str) -> set[float]:
+    """The numbers of the reports a section names."""
+    values: set[float] = set()
+    for path in named_reports(section):
+        content = path.read_text()
+        report_numbers(json.loads(content) if path.suffix == ".json" else content, values)
+    return values
+
+
+def unbacked(text: str) -> list[str]:
+    """The numbers of `text`'s prose that no report of their section holds: "heading: number"."""
+    missing = []
+    for section in re.split(r"\n(?=#)", text):
+        values = section_numbers(section)
+        prose = section
+        for pattern in NOT_MEASURED:
+            prose = re.sub(pattern, " ", prose, flags=re.S)
+        for match in NUMBER.finditer(prose):
+            written = match.group(0)
+            if len(written) == 1:
+                continue
+            number, digits = float(written.replace(",", "")), len(written.partition(".")[2])
+            if not any(round(v, digits) == number or round(v * 100, digits) == number for v in values):
+                missing.append(f"{section.splitlines()[0][:60]}: {written}")
+    return missing
+
+
+def speed_section(readme: str) -> str:
+    return readme[readme.index("## Speed"):].split("\n## ", 1)[0]
 
 
 def main() -> int:
@@ -526,6 +609,12 @@ def main() -> int:
                 path.write_text(new)
     if check and stale:
         print(f"not what docs/bench/ says: {', '.join(stale)}; run python scripts/render_benchmarks.py", file=sys.stderr)
+        return 1
+    missing = unbacked((ROOT / "docs" / "BENCHMARKS.md").read_text()) + \
+        unbacked(speed_section((ROOT / "README.md").read_text()))
+    if missing:
+        print("numbers in the prose that no report beside them holds (name the report in the section, or drop "
+              "the claim):\n  " + "\n  ".join(missing), file=sys.stderr)
         return 1
     return 0
 

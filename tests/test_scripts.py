@@ -2,6 +2,7 @@
 that imports a name the package no longer has fails here, not on the GPU machine."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -50,6 +51,36 @@ def test_a_rendered_section_whose_markers_are_gone_is_an_error():
     assert render_benchmarks.render(text, {"a": lambda: "new"}) == "<!-- rendered: a -->\nnew\n<!-- end -->\n"
     with pytest.raises(SystemExit, match="'b'"):
         render_benchmarks.render(text, {"a": lambda: "new", "b": lambda: "x"})
+
+
+def test_a_number_typed_by_hand_into_the_docs_fails_the_check():
+    """Every number in docs/BENCHMARKS.md's prose and hand-made tables is in a report its section
+    names: a number edited by hand there (a rate, a ratio, a share) to a value no report of its
+    section holds, or a number in a section that names no report, is caught; so is an edit inside
+    a rendered table of the README."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import render_benchmarks
+
+    text = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    assert render_benchmarks.unbacked(text) == []
+    section = text[text.index("### YOLO11n"):].split("\n#", 1)[0]
+    held = render_benchmarks.section_numbers(section)
+    for before, number, after in (("at\n", "2,317.6", " img/s"), ("**", "0.79", "x**"), ("busy ", "75", "%")):
+        digits = len(number.partition(".")[2])
+        value = float(number.replace(",", "")) + 10 ** -digits
+        while any(round(round(v, digits) - value, 6) == 0 or round(round(v * 100, digits) - value, 6) == 0
+                  for v in held):
+            value += 10 ** -digits
+        typed = f"{value:,.{digits}f}"
+        edited = text.replace(before + number + after, before + typed + after, 1)
+        assert edited != text, number
+        assert any(line.endswith(f": {typed}") for line in render_benchmarks.unbacked(edited)), typed
+    assert render_benchmarks.unbacked("## A section naming no report\n\nIt ran at 512 img/s.\n") == \
+        ["## A section naming no report: 512"]
+    readme = (ROOT / "README.md").read_text()
+    number = re.search(r"\| (\d[\d,]*) img/s \|", render_benchmarks.speed_section(readme)).group(1)
+    assert render_benchmarks.render(readme.replace(f"| {number} img/s |", "| 1 img/s |"),
+                                    {"speed": render_benchmarks.speed_table}) == readme
 
 
 def commit_code_tree(commit: str) -> str:
