@@ -62,6 +62,39 @@ def test_a_prefix_in_s3_gives_the_records_the_folder_gives(s3, tmp_path):
     assert endpoint_not_in(tmp_path / "s3", s3)
 
 
+def test_s3_objects_come_through_obstore_and_what_it_fails_through_s3fs(s3, monkeypatch):
+    """storage.fetch of S3 URLs: obstore fetches them with s3fs's endpoint and credentials (a
+    missing object is `missing` at once); a store that has failed every request it made (here: one
+    pointed at a port nobody listens on) leaves them to s3fs, which fetches the same bytes, and the
+    rest of the run goes through s3fs alone."""
+    from obstore.store import S3Store
+
+    from pipeline import storage
+
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    storage.set_options([f"endpoint_url={s3}"])
+    try:
+        urls = [f"s3://photos/set/{name}" for name in IMAGES]
+        truth = {url: (SAMPLES / url.rsplit("/", 1)[1]).read_bytes() for url in urls}
+        got = storage.fetch(urls + ["s3://photos/set/none.jpg"])
+        assert {url: got[url] for url in urls} == truth
+        assert got["s3://photos/set/none.jpg"].reason == "missing"
+        fs, _ = storage.fs_of(urls[0])
+        assert storage.FAST[(id(fs), "photos")] is not None and (id(fs), "photos") in storage.SERVED
+
+        storage.SERVED.discard((id(fs), "photos"))  # as if new: a store that has never answered, here unreachable
+        closed = f"http://127.0.0.1:{free_port()}"
+        storage.FAST[(id(fs), "photos")] = S3Store("photos", endpoint=closed, region="us-east-1", skip_signature=True,
+                                                    client_options={"allow_http": True},
+                                                    retry_config={"max_retries": 0})
+        assert storage.fetch(urls) == truth
+        assert storage.FAST[(id(fs), "photos")] is None
+        assert storage.fetch(urls[:2]) == {url: truth[url] for url in urls[:2]}
+    finally:
+        storage.set_options([])
+
+
 def endpoint_not_in(folder: Path, endpoint: str) -> bool:
     """No file of an output folder holds the storage option's value."""
     return all(endpoint not in p.read_text(errors="replace") for p in folder.iterdir() if p.is_file())
