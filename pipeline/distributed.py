@@ -35,7 +35,7 @@ from typing import TextIO
 import numpy as np
 
 from .config import Config
-from .errors import ConfigError, GpudetError, catch_signals, signals_held, stderr_into_log
+from .errors import ConfigError, GpudetError, catch_signals, one_line, signals_held, stderr_into_log
 from .folder import OutputFolder
 from .job import Outcome, RunOptions, record_stream
 from .layout import SHARDS
@@ -194,7 +194,7 @@ def run_actors(ray, todo: list[ImageRef], config: Config, output_format: str, sh
                 return stream(ray, todo, config, output_format, shards, workers, gpus,
                               stderr if show else None), gpus, None
             except ray.exceptions.RayError as e:  # Ray gave up (an actor kept failing, the cluster went)
-                return 0.0, gpus, " ".join(str(e).split())[:500]
+                return 0.0, gpus, one_line(e, 500)
         finally:
             if started_here:
                 ray.shutdown()
@@ -278,7 +278,7 @@ def start_ray(ray, address: str | None, workers: int) -> None:
         raise
     except Exception as e:  # no cluster at the address, another Ray version, no room for a local one
         where = f"--ray {address}" if address else "--ray (a local cluster)"
-        raise RayStartError(f"{where}: Ray did not start: {' '.join(str(e).split())[:300]}; check the address, "
+        raise RayStartError(f"{where}: Ray did not start: {one_line(e)}; check the address, "
                             "that the cluster runs and has this Ray version, or run without an address for a "
                             "local one") from None
     ray.data.DataContext.get_current().enable_progress_bars = False  # gpudet shows its own

@@ -35,6 +35,12 @@ EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_SOME_FAILED, EXIT_OUTPUT, EXIT_INTERRUP
 log = logging.getLogger("gpudet")
 
 
+def one_line(cause: object, limit: int = 300) -> str:
+    """An error's text on one line, whitespace runs as one space, at most `limit` characters (a
+    library's message can span lines, or hold a whole file): what a one-line message quotes."""
+    return " ".join(str(cause).split())[:limit]
+
+
 class GpudetError(Exception):
     """A problem the user can fix; the message names what is wrong and what would fix it."""
 

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from . import layout, storage
-from .errors import ConfigError, GpudetError, OutputError
+from .errors import ConfigError, GpudetError, OutputError, one_line
 from .folder import remove_shards
 
 log = logging.getLogger("gpudet")
@@ -44,8 +44,8 @@ def cache_root() -> Path:
     return Path(base) / "gpudet" / "out"
 
 
-def one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())[:300] or type(error).__name__
+def what_failed(error: BaseException) -> str:
+    return one_line(error) or type(error).__name__
 
 
 class Mirror:
@@ -140,7 +140,7 @@ class Mirror:
         except GpudetError:
             raise
         except Exception as e:  # noqa: BLE001 (the store, the network, the cache's disk: one line)
-            raise OutputError(f"--out {self.url}: cannot read it into {self.local} ({one_line(e)}); check the "
+            raise OutputError(f"--out {self.url}: cannot read it into {self.local} ({what_failed(e)}); check the "
                               "bucket, the endpoint and the credentials (--storage-option, the AWS_/GOOGLE_/AZURE_ "
                               "variables)") from None
         self._summary_up = layout.SUMMARY in remote
@@ -189,7 +189,7 @@ class Mirror:
                 try:
                     self.push()
                 except Exception as e:  # noqa: BLE001 (a failed upload is tried again next time and at the end)
-                    log.warning("uploading to %s: %s; trying again", self.url, one_line(e))
+                    log.warning("uploading to %s: %s; trying again", self.url, what_failed(e))
 
         thread = threading.Thread(target=loop, name="gpudet-upload", daemon=True)
         thread.start()
@@ -204,8 +204,8 @@ class Mirror:
             except Exception as e:  # noqa: BLE001 (said below, or beside the error the run stopped on)
                 failed = e
                 if sys.exc_info()[0] is not None:
-                    log.warning("uploading to %s: %s", self.url, one_line(e))
+                    log.warning("uploading to %s: %s", self.url, what_failed(e))
         if failed is not None:  # the run ended: its results are here, not all of them there
-            raise OutputError(f"--out {self.url}: uploading the results failed ({one_line(failed)}); they are kept "
+            raise OutputError(f"--out {self.url}: uploading the results failed ({what_failed(failed)}); they are kept "
                               f"in {self.local}: run again with --resume to upload them") from None
         log.info("results uploaded to %s", self.url)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from . import layout
-from .errors import ConfigError, OutputError, OutputWriteError
+from .errors import ConfigError, OutputError, OutputWriteError, one_line
 from .layout import DETECTIONS
 from .results import Detections, ImageRef, label_name, record_columns
 from .sinks import FLUSH_S, RESUME_FIX, BatchRecords, RecordFormat, Row, fsync_folder, open_for_writing
@@ -146,7 +146,7 @@ def read_parquet_file(path: Path, columns: list[str] | None = None, *, fix: str 
     try:
         return pq.read_table(path, columns=columns)
     except (OSError, ValueError, KeyError) as e:  # pyarrow's ArrowIOError, ArrowInvalid
-        raise OutputError(f"{path}: not Parquet that gpudet detect wrote ({' '.join(str(e).split())[:200]}); "
+        raise OutputError(f"{path}: not Parquet that gpudet detect wrote ({one_line(e, 200)}); "
                           f"{fix}") from None
 
 

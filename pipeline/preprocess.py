@@ -31,7 +31,7 @@ import numpy as np
 from nvidia.dali import fn, pipeline_def, types
 
 from .device import Device
-from .errors import GpudetError
+from .errors import GpudetError, one_line
 from .results import ImageError, ImageRef
 from .source import FLUSH, EncodedImage, PixelImage, undecodable
 
@@ -276,7 +276,7 @@ def failed_alone(item: EncodedImage, cause: Exception) -> ImageError:
     own (memory, a CUDA error: every image would fail the same way, and none should be recorded)."""
     text = str(cause).lower()
     if any(s in text for s in ("out of memory", "bad_alloc", "cudaerror", "cuda error", "cannot allocate")):
-        what = " ".join(str(cause).split())[:300]
+        what = one_line(cause)
         raise DecoderError(f"DALI failed on {item.ref.path} for a reason that is not the image's own ({what}); lower "
                            "run.batch_size or preprocess.size, or free memory, then continue with --resume")
     return decode_failed(item, cause)

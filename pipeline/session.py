@@ -31,7 +31,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .config import Config, RunConfig, resolve_model_path, shown
-from .errors import ModelError, signals_held
+from .errors import ModelError, one_line, signals_held
 
 if os.environ.get("ORT_DISABLE_TELEMETRY") != "0":  # as pipeline/__init__ says, for an onnxruntime imported before it
     ort.disable_telemetry_events()
@@ -142,7 +142,7 @@ def not_a_model(model_path: Path, error: Exception) -> ModelError:
     elif head.lstrip()[:1] in (b"{", b"["):
         what = "it holds JSON text, not an ONNX model"
     else:
-        what = f"not a readable ONNX model ({type(error).__name__}: {' '.join(str(error).split())[:200]})"
+        what = f"not a readable ONNX model ({type(error).__name__}: {one_line(error, 200)})"
     return ModelError(f"{model_path}: {what}; give an .onnx file (gpudet inspect FILE checks one)")
 
 
@@ -287,7 +287,7 @@ def _session(model_path: Path, dim_overrides: dict[str, int], providers: list | 
     try:
         return ort.InferenceSession(str(model_path), options, providers=providers or ["CPUExecutionProvider"])
     except Exception as e:  # ORT raises several types for unreadable or invalid models
-        raise ModelError(f"{model_path}: ONNX Runtime cannot load it: {' '.join(str(e).split())[:400]}") from None
+        raise ModelError(f"{model_path}: ONNX Runtime cannot load it: {one_line(e, 400)}") from None
 
 
 @dataclass

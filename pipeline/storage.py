@@ -30,7 +30,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from functools import lru_cache
 
-from .errors import ConfigError, CredentialsRefused, SourceError
+from .errors import ConfigError, CredentialsRefused, SourceError, one_line
 
 SCHEMES = {"s3": "s3fs and obstore (pip install 'gpudet[s3]')", "gs": "gcsfs (pip install 'gpudet[gcs]')",
            "gcs": "gcsfs (pip install 'gpudet[gcs]')", "az": "adlfs (pip install 'gpudet[azure]')",
@@ -132,7 +132,7 @@ def list_url(source: str, image_extensions: frozenset[str]) -> list[str]:
     except PermissionError as e:
         raise SourceError(f"source {source}: access refused ({e}); check the credentials") from None
     except OSError as e:
-        raise SourceError(f"source {source}: cannot list it ({' '.join(str(e).split())[:200]})") from None
+        raise SourceError(f"source {source}: cannot list it ({one_line(e, 200)})") from None
 
 
 class Unreadable(OSError):
@@ -158,8 +158,8 @@ def classified(error: BaseException) -> Unreadable:
     if isinstance(error, FileNotFoundError) or status == 404:
         return Unreadable("missing", "no such object; check the URL")
     if isinstance(error, PermissionError) or status in (401, 403):
-        return Unreadable("forbidden", f"access refused ({' '.join(str(error).split())[:160]}); check the credentials")
-    return Unreadable("unreadable", f"cannot fetch it after {TRIES} tries: {' '.join(str(error).split())[:200]}")
+        return Unreadable("forbidden", f"access refused ({one_line(error, 160)}); check the credentials")
+    return Unreadable("unreadable", f"cannot fetch it after {TRIES} tries: {one_line(error, 200)}")
 
 
 READ_BEFORE: dict[int, str] = {}
@@ -176,7 +176,7 @@ def check_credentials(fs, refused_url: str) -> None:
         fs.info(known)
     except PermissionError as e:
         raise CredentialsRefused(
-            f"{refused_url}: the store refuses objects it served earlier in this run ({' '.join(str(e).split())[:120]}): "
+            f"{refused_url}: the store refuses objects it served earlier in this run ({one_line(e, 120)}): "
             "the credentials expired or were revoked; renew them and run the same command with --resume (the "
             "records written so far are kept)") from None
     except OSError:  # the store unreachable for the moment: the transient path records that

@@ -6,7 +6,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, one_line
 
 
 def shown(value: Any, limit: int = 60) -> str:
@@ -50,6 +50,6 @@ def parse_yaml(text: str, what: str) -> Any:
     try:
         return yaml.load(text, Loader=BoundedLoader)  # noqa: S506 (a safe loader)
     except (yaml.YAMLError, ValueError, TypeError, OverflowError) as e:  # its constructors: a date 2001-13-45, !!int abc
-        raise ConfigError(f"{what} is not valid YAML: {' '.join(str(e).split())[:300]}") from None
+        raise ConfigError(f"{what} is not valid YAML: {one_line(e)}") from None
 
 
