@@ -53,7 +53,10 @@ timed_detect() {  # NAME TREE LIST [OPTIONS...]: gpudet detect from the shell, i
     "$@") 2>&1 | quiet | tee "$OUT/detect_$name.txt"
   local ms=$(( ($(date +%s%N) - start) / 1000000 ))
   printf 'wall clock from the shell: %d.%03d s\n' $((ms / 1000)) $((ms % 1000)) | tee -a "$OUT/detect_$name.txt"
-  cp "/tmp/gpudet-$name/summary.json" "$OUT/detect_${name}_summary.json"
+  # the summary, with the code that ran (bench.code_version: the commit and the hash of the code on the disk)
+  (cd "$home" && PYTHONPATH="$home:${PYTHONPATH:-}" $PY -c "import json, sys; from pipeline.bench import code_version
+s = json.load(open(sys.argv[1])); s['code'] = code_version(); json.dump(s, open(sys.argv[2], 'w'), indent=2)" \
+    "/tmp/gpudet-$name/summary.json" "$OUT/detect_${name}_summary.json")
 }
 
 bench() {  # NAME TREE LIST LIMIT [OPTIONS...]: gpudet bench, its report kept
