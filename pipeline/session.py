@@ -4,8 +4,8 @@
 overrides) and opens the session on the CPU or on a CUDA device with the CUDA EP's options and a
 compute stream of the caller's. Engine opens its session through it.
 
-A session's first run on a GPU costs seconds, once per session (docs/BENCHMARKS.md, "Setup: the
-model's first run"), and the imports before it (torch, DALI, Triton) cost seconds more, with the
+A session's first run on a GPU costs seconds, once per session (cuDNN's algorithm search, kernels
+loaded and some compiled from PTX), and the imports before it (torch, DALI, Triton) cost seconds more, with the
 GIL held. `start_early` opens the session a config asks for before those imports, on a CUDA
 stream of its own, and then runs it once, both on the thread that will be the engine's: the CUDA
 context, most of the session's opening and the run are C++ that releases the GIL, so they overlap

@@ -313,16 +313,8 @@ def speed_table() -> str:
     default, e2e, before = load("retinaface_default"), load("retinaface_e2e"), load("before_retinaface_default")
     detect, rn, ex = load(DETECT_RUNS[-1]), load(RETINANET), load(EXPERT_RUNS[0])
     ex_gpudet = ex["results"]["gpudet"]
-    side = load("setup_first_run")["side_by_side"]
-    walls = {tree: sorted(run["wall"] for run in side["runs"] if run["tree"] == tree) for tree in side["trees"].values()}
-    early, late = walls[side["trees"]["now"]], walls[side["trees"]["before"]]
-    first, *later = load("setup_first_run")["fresh_machine"]["runs"]
     return "\n".join([
         "| what, on one GPU (H200 unless named) | gpudet | against |", "| --- | --- | --- |",
-        f"| `gpudet detect` (the default), 6 images: what a job pays before its rate | {early[0]:.1f}-{early[-1]:.1f} s "
-        f"from the command | {late[0]:.1f}-{late[-1]:.1f} s without the early session, side by side |",
-        f"| the same, a fresh machine's first command (its compile caches empty) | {first['wall']:.1f} s from the "
-        f"command | {min(r['wall'] for r in later):.1f}-{max(r['wall'] for r in later):.1f} s for the next commands |",
         f"| `gpudet detect` (the default), {num(detect['processed'])} JPEGs | {detect['seconds']['wall']:.1f} s from the "
         f"command, {num(detect['images_per_s'])} img/s once set up | |",
         f"| RetinaFace, the default config, batch 32 | {num(default['images_per_s']['gpudet'])} img/s | "
@@ -337,35 +329,6 @@ def speed_table() -> str:
         f"{rn['ratios']['gpudet / naive']:.0f}x the naive loop (fp32, batch 1; an earlier run) |"])
 
 
-SETUP_PHASES = "setup_phases_compile_ahead"
-"""Detector.from_config's phases, run by run: the tree before kernels.compile_ahead and the tree with it."""
-
-
-def setup_table() -> str:
-    r = load(SETUP_PHASES)
-    lines = ["| model | Triton's cache | tree | ready after | DALI's pipeline | ORT's warm-up | the postprocess's warm-up | "
-             "the kernels' compile, on its thread |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-
-    def took(phases: dict, name: str) -> str:
-        start, end = phases[name][0][0], phases[name][-1][1]
-        return f"{end - start:.2f} s"
-
-    for run in r["runs"]:
-        if run["tag"].startswith("prime"):
-            continue
-        phases, tree = run["r"]["phases"], r["trees"][run["tree"]]["commit"]
-        ahead = phases.get("compile_ahead")
-        lines.append(f"| {'RetinaFace' if run['tag'].startswith('rf') else 'RetinaNet'} | {run['cache']} | {tree} | "
-                     f"**{run['r']['from_config']:.2f} s** | {took(phases, 'dali')} | {took(phases, 'engine_warm_up')} | "
-                     f"{took(phases, 'postprocess_warm_up')} | "
-                     f"{f'from {ahead[0][0]:.2f} to {ahead[-1][1]:.2f} s' if ahead else ''} |")
-    lines += ["", f"{r['what']}; rows in the order they ran, the trees alternating, one machine session "
-              f"({r['machine']['gpus'][0]}, {r['date'][:10]}). RetinaFace: {r['configs']['rf']}; RetinaNet: "
-              f"`{r['configs']['rn']}`. Triton's cache warm: {r['caches']['warm']}; cold: {r['caches']['cold']}. The "
-              "imports before it (torch, then gpudet) are not in these times."]
-    return "\n".join(lines)
-
-
 def threads_table() -> str:
     r = load("retinaface_threads_decoder")
     lines = ["| `--set` | gpudet loop img/s (each pass) | DALI alone | ORT alone | GPU busy |", "| --- | --- | --- | --- | --- |"]
@@ -377,99 +340,6 @@ def threads_table() -> str:
     return "\n".join(lines + ["", f"{r['what']}; {r['machine']['gpus'][0]}, tree {r['tree']['commit']}, "
                                f"{r['runs'][0]['date'][:10]}. Command: `{shorten(r['runs'][0]['command'])}`, "
                                "`--set` as the row says."])
-
-
-FIRST_RUN_VARIANTS = (("the default config", ("rf", "plain")),
-                      ("without the fused bias (`run.fuse_conv_bias=false`)", ("rf_nofuse",)),
-                      ("cuDNN's heuristic search (`cudnn_conv_algo_search=HEURISTIC`)", ("heuristic",)),
-                      ("NCHW, no fused bias (`run.prefer_nhwc=false`, `run.fuse_conv_bias=false`)", ("nchw",)),
-                      ("cuDNN's and cuBLAS's libraries loaded first", ("preload",)),
-                      ("another session's first run before it (a one-convolution model)", ("tiny",)))
-
-
-def timings(run: dict) -> str:
-    """A command's cells from its summary.json: from the command, before gpudet's clock, Detector.from_config."""
-    return f"**{run['wall']:.2f} s** | {run['startup']:.2f} s | {run['setup']:.2f} s"
-
-
-def first_run_table() -> str:
-    r = load("setup_first_run")
-    p, o = r["probe_warmup"], r["overlap"]
-    lines = ["| ORT session | its first run | every later run (CUDA graph captures included) | ready after |",
-             "| --- | --- | --- | --- |"]
-    runs = [run for session in p["sessions"] for run in session["runs"]]
-    for label, tags in FIRST_RUN_VARIANTS:
-        mine = [run for run in runs if run["tag"].rstrip("0123456789") in tags]
-        firsts = ", ".join(f"{run['ort_runs'][0]['s']:.2f}" for run in mine)
-        later = max(x["s"] for run in mine for x in run["ort_runs"][1:]) * 1000
-        ready = ", ".join(f"{run['from_config']:.1f}" for run in mine)
-        lines.append(f"| {label} | {firsts} s | at most {later:.0f} ms | {ready} s |")
-    lines += ["", f"{p['what']}. Two machine sessions ({r['machine']['gpus'][0]}, {r['date']}); {p['notes']}.", "",
-              "| the first run | imports (torch, gpudet) | the first run | done |", "| --- | --- | --- | --- |"]
-    for run in o["runs"]:
-        where = "on a thread, before the imports" if run["mode"] in ("thread", "boot") else "after the imports"
-        lines.append(f"| {where} | {run['imports'][0]:.1f}-{run['imports'][1]:.1f} s | "
-                     f"{run['first_run'][0]:.1f}-{run['first_run'][1]:.1f} s | **{run['first_run'][1]:.1f} s** |")
-    boot = [run["detector_first_run"] for run in o["runs"] if "detector_first_run" in run]
-    lines += ["", f"{o['what']}. A detector built after that run still paid its own session's first run: "
-              f"{', '.join(f'{x:.1f}' for x in boot)} s.", "",
-              "| tree | command | from the command | before gpudet's clock | Detector.from_config |",
-              "| --- | --- | --- | --- | --- |"]
-    for run in r["cli"]["runs"]:
-        lines.append(f"| {run['tree']} | {run['run']} | {timings(run)} |")
-    lines += ["", f"{r['cli']['what']}. {r['cli']['notes']}.", "",
-              "| tree | from the command | before gpudet's clock | Detector.from_config |", "| --- | --- | --- | --- |"]
-    side = r["side_by_side"]
-    for run in side["runs"]:
-        lines.append(f"| {run['tree']} | {timings(run)} |")
-    lines += ["", f"{side['what']}; rows in the order they ran. {side['machine_session']}; {side['notes']}."]
-    return "\n".join(lines)
-
-
-def first_command_table() -> str:
-    r = load("setup_first_run")
-    fresh, side = r["fresh_machine"], r["devices_side_by_side"]
-    lines = ["| command on the machine | from the command | before gpudet's clock | Detector.from_config | from the shell |",
-             "| --- | --- | --- | --- | --- |"]
-    for run in fresh["runs"]:
-        lines.append(f"| {run['run']} | {timings(run)} | {run['shell']:.2f} s |")
-    imports = fresh["importtime"]
-    lines += ["", f"{fresh['what']}. Tree {fresh['tree']}, {fresh['machine']}, {fresh['date']}. Under "
-              f"`python -X importtime`: torch {imports['torch']:.2f} s, DALI {imports['nvidia.dali']:.2f} s, "
-              f"onnxruntime (pipeline.session) {imports['pipeline.session (onnxruntime)']:.2f} s, numpy "
-              f"{imports['numpy']:.2f} s; gpudet's runner with all of them {imports['pipeline.runner']:.2f} s.", "",
-              "| tree | `--devices 0`, from the shell |", "| --- | --- |"]
-    for run in side["runs"]:
-        lines.append(f"| {run['tree']} | **{run['shell']:.2f} s** |")
-    lines += ["", f"{side['what']}; {side['notes']}."]
-    return "\n".join(lines)
-
-
-def first_run_cudnn_table() -> str:
-    r = load("first_run_cudnn")
-    lines = ["| process | CUDA EP options added | first run | of it in Conv nodes | the next two runs |",
-             "| --- | --- | --- | --- | --- |"]
-    for run in r["runs"]:
-        added = ", ".join(f"`{k}={v}`" for k, v in run["cuda_options_added"].items()) or "none"
-        lines.append(f"| {run['tag']} | {added} | **{run['runs_s'][0]:.2f} s** | "
-                     f"{run['first_run_by_op_ms']['Conv'] / 1000:.2f} s ({run['nodes']} nodes in all) | "
-                     f"{run['runs_s'][1] * 1000:.0f}, {run['runs_s'][2] * 1000:.0f} ms |")
-    c, f = r["cudnn_log"], r["cudnn_log"]["execution_plan_finalize"]
-    lines += ["", f"{r['command']}; {r['tree']['note']}. {r['machine']['gpus'][0]}, cuDNN {r['machine']['cudnn']}, "
-              f"tree {r['tree']['commit']}, {r['date']}.", "",
-              f"cuDNN's own log of the 'log' process ({c['what']}): {c['span_s']:.2f} s from its first call to its "
-              f"last; {f['count']} execution plans finalized ({c['convolutions']} convolutions), "
-              f"**{f['total_s']:.2f} s** in all, {f['min_ms']:.0f}-{f['max_ms']:.0f} ms each (median "
-              f"{f['median_ms']:.0f} ms); runtime kernel generation {c['runtime_kernel_generation']['s']:.2f} s."]
-    e = r["env_probes"]
-    lines += ["", "| process | environment | the session's opening | first run | the next two runs |",
-              "| --- | --- | --- | --- | --- |"]
-    for run in e["runs"]:
-        env = ", ".join(f"`{k}={v}`" for k, v in run["env"].items()) or "as it is"
-        lines.append(f"| {run['tag']} | {env} | {run['open']:.2f} s | **{run['runs'][0]:.2f} s** | "
-                     f"{run['runs'][1] * 1000:.0f}, {run['runs'][2] * 1000:.0f} ms |")
-    lines += ["", f"{e['what']}. Tree {e['tree']}, {e['machine']}, {e['date']}; {e['notes']}."]
-    return "\n".join(lines)
 
 
 def cpu_table() -> str:
@@ -501,9 +371,8 @@ def shorten(command: str) -> str:
     return re.sub(r"--json \S+|/\S*/(?=\S+\.(txt|py))", "", command).replace("  ", " ").strip()
 
 
-SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "setup": setup_table, "retinanet": retinanet_table,
+SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "retinanet": retinanet_table,
             "ray": ray_table, "formats": formats_table, "threads": threads_table,
-            "first_run": first_run_table, "first_run_cudnn": first_run_cudnn_table, "first_command": first_command_table,
             "omp": omp_table, "cpu": cpu_table, "expert": expert_table}
 
 
