@@ -27,7 +27,7 @@ from pathlib import Path
 
 from . import layout, storage
 from .errors import ConfigError, GpudetError, OutputError, one_line
-from .folder import remove_shards
+from .folder import hold_lock, remove_shards
 
 log = logging.getLogger("gpudet")
 
@@ -62,6 +62,8 @@ class Mirror:
         """Name under the prefix -> [size, signature] of what went up (SYNCED keeps it)."""
         self._summary_up = False
         self._lock = threading.Lock()
+        self._held: int | None = None
+        """The mirror's lock (hold_lock's descriptor), from pull() until release()."""
 
     def _remote(self, name: str) -> str:
         return f"{self.path}/{name}"
@@ -115,6 +117,7 @@ class Mirror:
         that failed, removals not yet made) and stays; otherwise another machine wrote the prefix
         since (or this machine never did): the mirror's files and shards the prefix lacks go, and
         its files come down."""
+        self._hold()
         try:
             remote = self._remote_names()
             self.local.mkdir(parents=True, exist_ok=True)
@@ -144,6 +147,20 @@ class Mirror:
                               "bucket, the endpoint and the credentials (--storage-option, the AWS_/GOOGLE_/AZURE_ "
                               "variables)") from None
         self._summary_up = layout.SUMMARY in remote
+
+    def _hold(self) -> None:
+        """This machine's other commands on the prefix kept out, from before the pull until this
+        run's last upload (or the process) ends: the mirror is one folder, and a second command's
+        pull or uploads would mix two runs. One line, exit 2, naming the run that holds it."""
+        if self._held is None:
+            self.local.parent.mkdir(parents=True, exist_ok=True)
+            self._held = hold_lock(self.local.parent / f"{self.local.name}.lock", self.url)
+
+    def release(self) -> None:
+        """The mirror's lock let go (syncing() does at its end)."""
+        if self._held is not None:
+            os.close(self._held)
+            self._held = None
 
     def push(self, final: bool = False) -> None:
         """What changed in the mirror made so under the prefix: gpudet's objects the mirror no longer
@@ -205,6 +222,7 @@ class Mirror:
                 failed = e
                 if sys.exc_info()[0] is not None:
                     log.warning("uploading to %s: %s", self.url, what_failed(e))
+            self.release()
         if failed is not None:  # the run ended: its results are here, not all of them there
             raise OutputError(f"--out {self.url}: uploading the results failed ({what_failed(failed)}); they are kept "
                               f"in {self.local}: run again with --resume to upload them") from None

@@ -42,9 +42,10 @@ def s3():
     server.stop()
 
 
-def on_s3(*args, endpoint: str):
+def on_s3(*args, endpoint: str, env: dict | None = None):
     device = ["--device", "cpu"] if args[0] == "detect" else []
-    return gpudet(*args, *device, "--storage-option", f"endpoint_url={endpoint}", env={**os.environ, **CREDENTIALS})
+    return gpudet(*args, *device, "--storage-option", f"endpoint_url={endpoint}",
+                  env={**os.environ, **CREDENTIALS, **(env or {})})
 
 
 def without_paths(records: list[dict]) -> list[dict]:
@@ -212,12 +213,14 @@ def test_the_mirror_keeps_what_it_could_not_upload_until_the_prefix_moves_on(s3,
     (mirror.local / first).write_bytes(b"one")
     mirror.push(final=True)
     (mirror.local / second).write_bytes(b"two")  # written here; its upload never happened
+    mirror.release()
 
     again = Mirror("s3://photos/kept")
     again.pull()
     assert (again.local / second).read_bytes() == b"two"
     again.push(final=True)
     assert client.get_object(Bucket="photos", Key=f"kept/{second}")["Body"].read() == b"two"
+    again.release()
 
     (again.local / "detections.parquet" / "part-3-00000003.parquet").write_bytes(b"three")  # not uploaded
     client.delete_object(Bucket="photos", Key=f"kept/{first}")  # another machine's --overwrite, say
@@ -230,12 +233,21 @@ def test_the_mirror_keeps_what_it_could_not_upload_until_the_prefix_moves_on(s3,
     (later.local / "detections.parquet" / "part-4-00000004.parquet").write_bytes(b"four")
     (later.local / "settings.json").write_text('{"gpudet": "1"}')  # the same size, other settings
     later.push()  # the run goes on (or is killed after this)
+    later.release()
     listed = client.list_objects_v2(Bucket="photos", Prefix="kept/detections.parquet/")["Contents"]
     assert [o["Key"].rsplit("/", 1)[1] for o in listed] == ["part-4-00000004.parquet"]
     assert client.get_object(Bucket="photos", Key="kept/settings.json")["Body"].read() == b'{"gpudet": "1"}'
     resumed = Mirror("s3://photos/kept")
     resumed.pull()
     assert sorted(p.name for p in (resumed.local / "detections.parquet").iterdir()) == ["part-4-00000004.parquet"]
+
+    # another command on this prefix on this machine, while this one holds it: one line, exit 2, nothing touched
+    run = on_s3("detect", SAMPLES, "--out", "s3://photos/kept", "--format", "parquet", endpoint=s3,
+                env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert run.returncode == 2 and "in use by another gpudet run" in run.stderr and "Traceback" not in run.stderr, \
+        run.stderr
+    assert sorted(p.name for p in (resumed.local / "detections.parquet").iterdir()) == ["part-4-00000004.parquet"]
+    resumed.release()
     storage.set_options([])
 
 
