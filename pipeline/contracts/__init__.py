@@ -24,7 +24,7 @@ import pkgutil
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from ..errors import ModelError
+from ..errors import ModelError, signals_held
 from ..session import ModelIO, TensorSpec, describe_io
 
 if TYPE_CHECKING:
@@ -126,7 +126,8 @@ def known() -> list[type[Contract]]:
     """The contracts of this package, in the order `auto` tries them."""
     found = []
     for module in pkgutil.iter_modules(__path__):
-        loaded = importlib.import_module(f"{__name__}.{module.name}")
+        with signals_held():  # a contract's module may be the first to import torch (and its C++)
+            loaded = importlib.import_module(f"{__name__}.{module.name}")
         found += [c for c in vars(loaded).values()
                   if isinstance(c, type) and issubclass(c, Contract) and c.__module__ == loaded.__name__]
     return sorted(found, key=lambda c: (c.order, c.name))
