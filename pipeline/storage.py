@@ -233,9 +233,19 @@ def s3_store(S3Store, fs, bucket: str):
 def fast_fetch(fs, paths: list[str]) -> dict[str, bytes | OSError]:
     """What obstore fetched of `paths` (s3fs's, "bucket/key"), all at once: bytes, or
     FileNotFoundError / PermissionError for a missing or refused object; the others are left out
-    (s3fs fetches them). A bucket whose store has failed every request it made goes to s3fs alone."""
-    import obstore
-    from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
+    (s3fs fetches them), all of them where obstore is not installed or the calling thread runs an
+    event loop (a notebook's). A bucket whose store has failed every request it made goes to s3fs
+    alone."""
+    try:
+        asyncio.get_running_loop()
+        return {}
+    except RuntimeError:
+        pass
+    try:
+        import obstore
+        from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
+    except ImportError:
+        return {}
 
     stores = {bucket: fast_store(fs, bucket) for bucket in {p.split("/", 1)[0] for p in paths}}
 
@@ -254,11 +264,6 @@ def fast_fetch(fs, paths: list[str]) -> dict[str, bytes | OSError]:
         return await asyncio.gather(*(one(p) for p in todo))
 
     todo = [p for p in paths if stores[p.split("/", 1)[0]] is not None]
-    try:
-        asyncio.get_running_loop()
-        return {}  # called from a coroutine's thread (a notebook's): s3fs fetches them
-    except RuntimeError:
-        pass
     got = dict(zip(todo, asyncio.run(all_of(todo)))) if todo else {}
     SERVED.update((id(fs), path.split("/", 1)[0]) for path, value in got.items() if value is not None)
     for bucket in stores:

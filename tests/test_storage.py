@@ -96,6 +96,25 @@ def test_s3_objects_come_through_obstore_and_what_it_fails_through_s3fs(s3, monk
         storage.set_options([])
 
 
+def test_without_obstore_s3_objects_come_through_s3fs(s3, monkeypatch):
+    """gpudet[s3] installed before obstore joined it: s3fs fetches every object, nothing fails."""
+    import sys
+
+    from pipeline import storage
+
+    for name in ("obstore", "obstore.store", "obstore.exceptions"):
+        monkeypatch.setitem(sys.modules, name, None)  # import obstore raises ImportError
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(storage, "FAST", {})
+    storage.set_options([f"endpoint_url={s3}"])
+    try:
+        urls = [f"s3://photos/set/{name}" for name in IMAGES]
+        assert storage.fetch(urls) == {url: (SAMPLES / url.rsplit("/", 1)[1]).read_bytes() for url in urls}
+    finally:
+        storage.set_options([])
+
+
 def endpoint_not_in(folder: Path, endpoint: str) -> bool:
     """No file of an output folder holds the storage option's value."""
     return all(endpoint not in p.read_text(errors="replace") for p in folder.iterdir() if p.is_file())
