@@ -274,8 +274,9 @@ def formats_table() -> str:
     return "\n".join(lines)
 
 
-EXPERT_RUNS = ("h100/retinanet_expert", "h100/retinanet_expert_2")
-"""bench_retinanet.py with the PyTorch expert baseline: two runs, one after the other on one machine."""
+EXPERT_RUNS = ("retinanet_expert", "h100/retinanet_expert", "h100/retinanet_expert_2")
+"""bench_retinanet.py with the PyTorch expert baseline, newest first: every row on the H200, then two
+runs one after the other on an H100."""
 EXPERT = "pytorch expert (GPU decode, CUDA graph, batched postprocess on its own stream)"
 
 
@@ -289,29 +290,35 @@ def crossover(r: dict) -> float:
 def expert_table() -> str:
     lines = ["| run | row | img/s, median (passes) | detections per image on the host | setup, from the process's "
              "start | gpudet / row |", "| --- | --- | --- | --- | --- | --- |"]
-    for k, name in enumerate(EXPERT_RUNS, 1):
-        r = load(name)
+    runs = [load(name) for name in EXPERT_RUNS]
+    for k, r in enumerate(runs, 1):
         ours = r["results"]["gpudet"]["images_per_s"]
         for label, row in r["results"].items():
-            passes = ", ".join(num(p, 1) for p in row.get("passes", []))
+            if "passes" not in row and not label.startswith("naive"):
+                continue  # torch eager's model-only rate: the RetinaNet table's
+            passes = ", ".join(num(p, 1) for p in row["passes"]) if "passes" in row else f"{row['images']} images, one pass"
             setup = f"{row['setup_s']:.1f} s" if "setup_s" in row else ""
             lines.append(f"| {k} | {label} | **{num(row['images_per_s'], 1)}** ({passes}) | "
                          f"{row.get('detections_per_image', '')} | {setup} | {ours / row['images_per_s']:.2f}x |")
-    first, second = (load(name) for name in EXPERT_RUNS)
-    m = first["machine"]
-    lines += ["", f"The job size from which gpudet finishes first (setup plus images at the median rate): "
-              f"{num(round(crossover(first), -3))} images in run 1, {num(round(crossover(second), -3))} in run 2.",
-              "", f"{first['images']} of the crops, batch {first['batch_size']}, {first['size_hw'][0]}x"
-              f"{first['size_hw'][1]}, fp16, {first['passes']} passes per row, each row in a fresh process; "
-              f"{m['gpus'][0]}, {m['cores']} cores; torch {m['torch']}, onnxruntime {m['onnxruntime']}, DALI "
-              f"{m['dali']}; tree {first['tree']['commit']}; {first['date'][:10]}. Command: "
-              f"`{shorten(first['command'])}`; run 2: `{shorten(second['command'])}`."]
+    lines += ["", "The job size from which gpudet finishes first (setup plus images at the median rate): "
+              + ", ".join(f"{num(round(crossover(r), -3))} images in run {k}" for k, r in enumerate(runs, 1)) + "."]
+    for k, r in enumerate(runs, 1):
+        m = r["machine"]
+        lines += ["", f"Run {k}: {r['images']} of the crops, batch {r['batch_size']}, {r['size_hw'][0]}x"
+                  f"{r['size_hw'][1]}, fp16, {r['passes']} passes per row, each row in a fresh process; "
+                  f"{m['gpus'][0]}, {m['cores']} cores; torch {m['torch']}, onnxruntime {m['onnxruntime']}, DALI "
+                  f"{m['dali']}; tree {tree_of(r)}; {r['date'][:10]}. Command: `{shorten(r['command'])}`."]
     return "\n".join(lines)
+
+
+def tree_of(r: dict) -> str:
+    """The commit a report names: its "tree", else the one the machine's checkout recorded."""
+    return r["tree"]["commit"] if "tree" in r else r["gpudet"]["commit"][:7]
 
 
 def speed_table() -> str:
     default, e2e, before = load("retinaface_default"), load("retinaface_e2e"), load("before_retinaface_default")
-    detect, rn, ex = load(DETECT_RUNS[-1]), load(RETINANET), load(EXPERT_RUNS[0])
+    detect, ex = load(DETECT_RUNS[-1]), load(EXPERT_RUNS[0])
     ex_gpudet = ex["results"]["gpudet"]
     return "\n".join([
         "| what, on one GPU (H200 unless named) | gpudet | against |", "| --- | --- | --- |",
@@ -326,7 +333,7 @@ def speed_table() -> str:
         f"{ex['ratios']['gpudet / ort alone']:.2f}x ORT alone, {ex['ratios']['gpudet / pytorch expert']:.2f}x the "
         f"PyTorch expert pipeline (which finishes first on jobs under ~{num(round(crossover(ex), -3))} images: its setup "
         f"is shorter), {ex['ratios']['gpudet / pytorch usual']:.1f}x the usual PyTorch pipeline, "
-        f"{rn['ratios']['gpudet / naive']:.0f}x the naive loop (fp32, batch 1; an earlier run) |"])
+        f"{ex['ratios']['gpudet / naive']:.0f}x the naive loop (fp32, batch 1) |"])
 
 
 def threads_table() -> str:
