@@ -140,6 +140,12 @@ class RunConfig:
     decode_threads: int = 0
     """Threads that decode large JPEGs at a reduced scale (preprocess.scaled_decode), beside the
     num_threads that read and check the files; 0: one per core."""
+    storage_requests: int = 128
+    """Object-storage sources: requests in flight (whole batches are read ahead to keep about
+    this many; a store answers each after milliseconds to tens of them, a local disk at once)."""
+    storage_read_ahead_mb: int = 512
+    """Object-storage sources: what the batches read ahead may hold, in MiB (at the mean object
+    size so far), whatever storage_requests asks; at least prefetch_batches' worth is read ahead."""
     prefetch_batches: int = 2
     """Batches DALI preprocesses ahead of the one the engine takes (each one more holds a batch
     of encoded and decoded images and its model input in memory)."""
@@ -260,6 +266,8 @@ class Config:
         need(0 < self.run.cpu_batch_size <= 4096, "run.cpu_batch_size", "must be in 1..4096")
         need(0 < self.run.num_threads <= 256, "run.num_threads", "must be in 1..256")
         need(self.run.worker_restarts >= 0, "run.worker_restarts", "must be >= 0 (0: never restart a worker)")
+        need(0 < self.run.storage_requests <= 4096, "run.storage_requests", "must be in 1..4096")
+        need(self.run.storage_read_ahead_mb > 0, "run.storage_read_ahead_mb", "must be > 0")
         need(0 < self.run.prefetch_batches <= 16, "run.prefetch_batches", "must be in 1..16")
         need(2 <= self.run.pipeline_depth <= 8, "run.pipeline_depth", "must be in 2..8 (2: the postprocess of one "
              "batch overlaps the model on the next)")

@@ -52,18 +52,20 @@ class Detector:
                  thresholds: Thresholds, labels: list[str], contract: str, num_threads: int = 4,
                  max_pixels: int = 0, max_file_bytes: int = 0, max_batch_pixels: int = 0, prefetch_batches: int = 2,
                  scaled: ScaledDecode | None = None, scaled_share: float = 1.0, decode_threads: int = 1,
-                 config: Config | None = None):
+                 storage_requests: int = 128, storage_read_ahead_mb: int = 512, config: Config | None = None):
         """The stages, built (`from_config` builds them from a config). thresholds: what the
         postprocess keeps unless a stream says otherwise. max_pixels, max_file_bytes: the
         source's checks (0: none); max_batch_pixels: what one DALI batch may decode (0: no bound).
         num_threads: the threads that read and check files; decode_threads: those that decode large
-        JPEGs at a reduced scale (`scaled`, for `scaled_share` of the batches). config: what built
+        JPEGs at a reduced scale (`scaled`, for `scaled_share` of the batches). storage_requests,
+        storage_read_ahead_mb: how far an object-storage source is read ahead. config: what built
         them, for reports."""
         self.engine, self.preprocessor, self.postprocess = engine, preprocessor, postprocess
         self.thresholds, self.labels, self.contract = thresholds, labels, contract
         self.num_threads, self.prefetch_batches = num_threads, prefetch_batches
         self.scaled, self.scaled_share, self.decode_threads = scaled, scaled_share, decode_threads
         self.max_pixels, self.max_file_bytes, self.max_batch_pixels = max_pixels, max_file_bytes, max_batch_pixels
+        self.storage_requests, self.storage_read_ahead_mb = storage_requests, storage_read_ahead_mb
         self.config = config
         self.device = engine.device
         self.model_path = engine.model_path
@@ -130,7 +132,8 @@ class Detector:
                    num_threads=r.num_threads, decode_threads=r.decode_threads or os.cpu_count() or 4,
                    max_pixels=p.max_pixels,
                    max_file_bytes=p.max_file_mb << 20, max_batch_pixels=p.max_batch_pixels,
-                   prefetch_batches=r.prefetch_batches,
+                   prefetch_batches=r.prefetch_batches, storage_requests=r.storage_requests,
+                   storage_read_ahead_mb=r.storage_read_ahead_mb,
                    scaled=ScaledDecode(height, width, p.resize) if p.scaled_decode else None,
                    scaled_share=p.scaled_share if target.is_cuda else 1.0, config=config)
 
@@ -194,7 +197,9 @@ class Detector:
         reading: dict[int, Future] = {}  # slot -> the postprocess reading its buffers
         files = clock.timed(read_chunks(batches, batch_size=self.batch_size, num_threads=self.num_threads,
                                         max_pixels=self.max_pixels, max_bytes=self.max_file_bytes, scaled=self.scaled,
-                                        scaled_share=self.scaled_share, decode_threads=self.decode_threads), "read")
+                                        scaled_share=self.scaled_share, decode_threads=self.decode_threads,
+                                        remote_requests=self.storage_requests,
+                                        remote_ahead_bytes=self.storage_read_ahead_mb << 20), "read")
         batches = clock.timed(self._preprocessed(readable(files, on_error, self.max_batch_pixels, self.device.torch),
                                                  on_error),
                               "preprocess")

@@ -195,13 +195,23 @@ case "${1:-}" in
     kind_set coco "${COCO:-20000}"
     "${RCLONE:-rclone}" serve s3 --auth-key gpudetkey,gpudetsecret --addr 127.0.0.1:9123 "$IMAGES" > "$OUT/rclone.log" 2>&1 &
     server=$!
-    trap 'kill $server' EXIT
     sleep 2
     kill -0 $server 2> /dev/null || { cat "$OUT/rclone.log"; exit 1; }
+    vmstat 1 > "$OUT/vmstat.txt" 2>&1 &  # the host's CPU over the runs: is it the limit?
+    watch=$!
+    trap 'kill $server $watch' EXIT
     export AWS_ACCESS_KEY_ID=gpudetkey AWS_SECRET_ACCESS_KEY=gpudetsecret AWS_DEFAULT_REGION=us-east-1
+    served() { echo "$1: the S3 server's CPU so far: $(ps -o cputime= -p $server)" | tee -a "$OUT/server_cpu.txt"; }
     for round in $(seq "${ROUNDS:-2}"); do
       timed_detect "coco_disk_$round" now "$IMAGES/coco/list.txt"
+      served "coco_disk_$round"
       timed_detect "coco_s3_$round" now s3://coco/ --storage-option endpoint_url=http://127.0.0.1:9123
+      served "coco_s3_$round"
+    done
+    for spec in ${S3_SETS:-}; do  # KEY=VALUE ...: one more S3 run with each
+      timed_detect "coco_s3_$(echo "$spec" | tr -c '[:alnum:]_\n' '_')" now s3://coco/ \
+        --storage-option endpoint_url=http://127.0.0.1:9123 --set "$spec"
+      served "$spec"
     done
     ;;
   *)

@@ -310,7 +310,7 @@ def test_credentials_refused_mid_run_stop_it_with_one_line_and_resume_finishes(t
     server, endpoint = moto_process(port, authorised_requests=1 + len(IMAGES) + reads)  # the bucket, the uploads
     try:
         run = on_s3("detect", listing, "--out", tmp_path / "o", "--batch-size", "2", "--set", "run.num_threads=1",
-                    *executor, endpoint=endpoint)
+                    "--set", "run.storage_requests=2", *executor, endpoint=endpoint)  # batches requested in turn
     finally:
         server.terminate()
         server.wait()
@@ -451,3 +451,57 @@ def test_a_prefix_of_ten_thousand_objects_lists_and_runs_with_memory_flat(s3, tm
         records = read_jsonl(tmp_path / name / "detections.jsonl")
         assert len(records) == count and sorted(r["index"] for r in records) == list(range(count))
     assert runs["all"] - runs["quarter"] < 25, runs  # measured: 760 and 771 MB
+
+
+
+def test_an_object_store_source_is_read_further_ahead_within_its_byte_budget(s3, monkeypatch):
+    """read_chunks keeps about remote_requests requests in flight over URLs (whole batches read
+    ahead, each batch's objects requested at once), fewer batches where remote_ahead_bytes holds
+    fewer at the mean object size read so far, and local files `lookahead` batches ahead."""
+    from pipeline import source, storage
+    from pipeline.results import ImageRef
+
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    storage.set_options([f"endpoint_url={s3}"])
+    fetch, lock, in_flight = storage.fetch, threading.Lock(), [0, 0]  # requests now, most at once
+
+    def slow_fetch(urls):  # each call answered after 50 ms, as an object store answers
+        with lock:
+            in_flight[0] += len(urls)
+            in_flight[1] = max(in_flight)
+        try:
+            threading.Event().wait(0.05)
+            return fetch(urls)
+        finally:
+            with lock:
+                in_flight[0] -= len(urls)
+
+    monkeypatch.setattr(storage, "fetch", slow_fetch)
+
+    def ahead_of_each_batch(paths: list[str], **options) -> list[int]:
+        """How many batches read_chunks had taken beyond each one it handed on."""
+        taken = 0
+
+        def chunks():
+            nonlocal taken
+            for chunk in source.batched([ImageRef(i, p) for i, p in enumerate(paths)], 4):
+                taken += 1
+                yield chunk
+
+        ahead = []
+        for k, batch in enumerate(source.read_chunks(chunks(), batch_size=4, num_threads=2, **options)):
+            assert all(isinstance(item, source.EncodedImage) for item in batch)
+            ahead.append(taken - k - 1)
+        return ahead
+
+    try:
+        urls = [f"s3://photos/set/{name}" for name in IMAGES] * 8
+        assert ahead_of_each_batch(urls, remote_requests=16)[:8] == [4] * 8  # 16 requests: 4 batches of 4
+        assert in_flight[1] >= 16, in_flight  # a batch's share per thread, as files are read, made 4 at most
+        # the first batches go out before any object's size is known; then the budget holds
+        assert ahead_of_each_batch(urls, remote_requests=16, remote_ahead_bytes=1)[2:8] == [2] * 6
+        local = [str(SAMPLES / name) for name in IMAGES] * 8
+        assert ahead_of_each_batch(local, remote_requests=16)[:8] == [2] * 8
+    finally:
+        storage.set_options([])
