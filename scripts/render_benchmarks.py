@@ -374,13 +374,39 @@ def cpu_table() -> str:
     return "\n".join(lines)
 
 
+S3_RUNS = (("a batch's share per reading thread (32 requests in flight)", "s3/aef1a51"),)
+"""`gpu_check.sh s3` runs, oldest first: (how that tree read the objects, its folder of summaries)."""
+
+
+def s3_table() -> str:
+    lines = ["| tree, how it reads objects | round | from | wall clock from the command | of it: start | setup | then "
+             "| detections | S3 / disk, rate (wall clock) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for label, folder in S3_RUNS:
+        rounds = sorted(p.stem.split("_")[3] for p in (BENCH / folder).glob("detect_coco_s3_*_summary.json")
+                        if p.stem.split("_")[3].isdigit())
+        for k in rounds:
+            disk, s3 = (load(f"{folder}/detect_coco_{where}_{k}_summary") for where in ("disk", "s3"))
+            for where, s in (("local disk", disk), ("S3", s3)):
+                ratio = (f"**{s3['images_per_s'] / disk['images_per_s']:.2f}x** "
+                         f"({disk['seconds']['wall'] / s3['seconds']['wall']:.2f}x)") if s is s3 else ""
+                lines.append(f"| {label} ({s['code']['commit'][:7]}) | {k} | {where} | {s['seconds']['wall']:.1f} s | "
+                             f"{s['seconds']['startup']:.1f} s | {s['seconds']['setup']:.1f} s | "
+                             f"{num(s['images_per_s'])} img/s | {num(s['detections'])} |  {ratio} |")
+    s = load(f"{S3_RUNS[-1][1]}/detect_coco_s3_1_summary")
+    return "\n".join(lines + ["", f"The default `gpudet detect` over {num(s['images'])} distinct COCO-sized JPEGs "
+                               "(`make_image_set.py --kind coco`), from the local disk (a file list) and from "
+                               "`rclone serve s3` on the same machine serving the same folder (`s3://coco/`, "
+                               f"`--storage-option endpoint_url=...`), in turn; {s['device']}, 16 cores; "
+                               f"{s['started'][:10]}. Command: `scripts/gpu_check.sh s3`."])
+
+
 def shorten(command: str) -> str:
     return re.sub(r"--json \S+|/\S*/(?=\S+\.(txt|py))", "", command).replace("  ", " ").strip()
 
 
 SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "retinanet": retinanet_table,
             "ray": ray_table, "formats": formats_table, "threads": threads_table,
-            "omp": omp_table, "cpu": cpu_table, "expert": expert_table}
+            "omp": omp_table, "cpu": cpu_table, "expert": expert_table, "s3": s3_table}
 
 
 ALL_SECTIONS = SECTIONS | {"speed": speed_table}

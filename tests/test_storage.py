@@ -83,6 +83,7 @@ def test_s3_objects_come_through_obstore_and_what_it_fails_through_s3fs(s3, monk
         assert got["s3://photos/set/none.jpg"].reason == "missing"
         fs, _ = storage.fs_of(urls[0])
         assert storage.FAST[(id(fs), "photos")] is not None and (id(fs), "photos") in storage.SERVED
+        assert sorted(storage.fast_find(fs, "photos/set/")) == sorted(fs.find("photos/set/"))  # listed by obstore
 
         storage.SERVED.discard((id(fs), "photos"))  # as if new: a store that has never answered, here unreachable
         closed = f"http://127.0.0.1:{free_port()}"
@@ -97,7 +98,8 @@ def test_s3_objects_come_through_obstore_and_what_it_fails_through_s3fs(s3, monk
 
 
 def test_without_obstore_s3_objects_come_through_s3fs(s3, monkeypatch):
-    """gpudet[s3] installed before obstore joined it: s3fs fetches every object, nothing fails."""
+    """gpudet[s3] installed before obstore joined it: s3fs lists and fetches every object, nothing
+    fails."""
     import sys
 
     from pipeline import storage
@@ -111,6 +113,7 @@ def test_without_obstore_s3_objects_come_through_s3fs(s3, monkeypatch):
     try:
         urls = [f"s3://photos/set/{name}" for name in IMAGES]
         assert storage.fetch(urls) == {url: (SAMPLES / url.rsplit("/", 1)[1]).read_bytes() for url in urls}
+        assert storage.list_url("s3://photos/set/", frozenset({".jpg", ".png"})) == sorted(urls)  # listed by s3fs
     finally:
         storage.set_options([])
 
