@@ -20,11 +20,13 @@ import sys
 import tempfile
 from collections import defaultdict
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pipeline.bench import code_version, machine  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.detector import Detector  # noqa: E402
 from pipeline.folder import OutputFolder  # noqa: E402
@@ -129,7 +131,8 @@ def main() -> None:
         torch.cuda.synchronize()
     profiler.export_chrome_trace(str(trace))
     summary = {"images": len(refs), "config": a.config or "default", "set": a.set,
-               **summarise(json.loads(trace.read_text()))}
+               "gpudet": code_version(), "machine": machine(), "date": datetime.now(timezone.utc).isoformat(),
+               "command": " ".join(sys.argv), **summarise(json.loads(trace.read_text()))}
     (a.out / "profile.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=1))
 

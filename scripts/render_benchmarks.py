@@ -404,13 +404,38 @@ def s3_table() -> str:
                                f"{s['started'][:10]}. Command: `scripts/gpu_check.sh s3`."])
 
 
+PROFILE = "profile/coco_8000"
+"""scripts/profile_loop.py over COCO-sized JPEGs: where the GPU idles in the default loop."""
+
+
+def profile_table() -> str:
+    r = load(PROFILE)
+    gaps, idle = r["idle_gaps"], r["during_idle_ms"]
+    lines = ["| over the loop | |", "| --- | --- |",
+             f"| images, loop time (under the profiler) | {num(r['images'])}, {r['loop_s']:.2f} s |",
+             f"| GPU busy, any stream | **{r['gpu_busy_percent']:.1f}%** |",
+             f"| idle gaps of at least {gaps['at_least_us']:.0f} us | {num(gaps['count'])}, {gaps['seconds']:.2f} s in "
+             f"all; median {gaps['median_us']:.1f} us, longest {num(gaps['longest_us'])} us |"]
+    lines += ["", "| during the idle gaps, a host thread in | ms |", "| --- | --- |"]
+    lines += [f"| {what} | {ms:.1f} |" for what, ms in list(idle.items())[:12]]
+    lines += ["", "| GPU time by kernel or copy (the largest) | ms |", "| --- | --- |"]
+    lines += [f"| {what.replace('|', '/')} | {ms:.1f} |" for what, ms in list(r["gpu_time_by_name_ms"].items())[:8]]
+    m = r["machine"]
+    return "\n".join(lines + ["", f"{num(r['images'])} distinct COCO-sized JPEGs (`make_image_set.py --kind coco`), "
+                               f"the {r['config']} config, after a warm-up pass; {m['gpus'][0]}, {m['cores']} cores; "
+                               f"torch {m['torch']}, onnxruntime {m['onnxruntime']}, DALI {m['dali']}; tree "
+                               f"{r['tree']['commit']}; {r['date']}. Command: `{shorten(r['command'])}` "
+                               "(`scripts/gpu_check.sh profile`)."])
+
+
 def shorten(command: str) -> str:
     return re.sub(r"--json \S+|/\S*/(?=\S+\.(txt|py))", "", command).replace("  ", " ").strip()
 
 
 SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "retinanet": retinanet_table,
             "ray": ray_table, "formats": formats_table, "threads": threads_table,
-            "omp": omp_table, "cpu": cpu_table, "expert": expert_table, "s3": s3_table}
+            "omp": omp_table, "cpu": cpu_table, "expert": expert_table, "s3": s3_table,
+            "profile": profile_table}
 
 
 ALL_SECTIONS = SECTIONS | {"speed": speed_table}
