@@ -384,6 +384,41 @@ def test_a_third_of_the_requests_failing_transiently_still_records_every_image_o
     assert failed == {f"{flaky_server}/forbidden/a.jpg": "forbidden", f"{flaky_server}/none.jpg": "missing"}, failed
 
 
+class Named(http.server.SimpleHTTPRequestHandler):
+    """Serves grace_hopper.jpg as /a[1].jpg and china.jpg under any other name, any query; notes
+    each request's path."""
+
+    seen: list[str] = []
+
+    def translate_path(self, path):
+        from urllib.parse import unquote, urlsplit
+
+        Named.seen.append(unquote(path))
+        return str(SAMPLES / ("grace_hopper.jpg" if unquote(urlsplit(path).path) == "/a[1].jpg" else "china.jpg"))
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_presigned_url_and_a_bracketed_name_are_fetched_as_written():
+    """fsspec's cat takes `?` and `[` for a glob: it lists first, one URL at a time, and `a[1]`
+    matches `a1`. Each URL here is one request for exactly that object."""
+    from pipeline import storage
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Named)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    urls = [f"{base}/photo{i}.jpg?X-Amz-Expires=3600&X-Amz-Signature=f00{i}" for i in range(8)] + [f"{base}/a[1].jpg"]
+    Named.seen = []
+    try:
+        got = storage.fetch(urls)
+    finally:
+        server.shutdown()
+    china, grace = ((SAMPLES / name).read_bytes() for name in ("china.jpg", "grace_hopper.jpg"))
+    assert got == {**{url: china for url in urls[:-1]}, urls[-1]: grace}
+    assert sorted(Named.seen) == sorted(url.removeprefix(base) for url in urls)
+
+
 def test_storage_option_values_never_reach_a_report():
     from pipeline.cli import without_storage_values
 
