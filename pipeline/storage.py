@@ -113,18 +113,19 @@ def list_url(source: str, image_extensions: frozenset[str]) -> list[str]:
     store cannot be sniffed cheaply); a `.txt` its lines (URLs, or paths relative to the list's
     folder); else the one object."""
     fs, path = fs_of(source)
+    named = source.split("?", 1)[0] if scheme(source) in ("http", "https") else source  # a web URL's query: no pattern
     try:
-        if any(c in source.split("://", 1)[1] for c in "*?["):
+        if any(c in named.split("://", 1)[1] for c in "*?["):
             return sorted(url_of(fs, p, source) for p in fs.glob(path) if not p.endswith("/"))
-        if source.endswith("/") or (not source.lower().endswith(".txt") and fs.isdir(path)):
+        if source.endswith("/") or (not named.lower().endswith(".txt") and fs.isdir(path)):
             found = fast_find(fs, path)
             if found is None:
                 found = fs.find(path)
             return sorted(url_of(fs, p, source) for p in found
                           if os.path.splitext(p)[1].lower() in image_extensions)
-        if source.lower().endswith(".txt"):
+        if named.lower().endswith(".txt"):
             text = fs.cat_file(path).decode("utf-8")
-            base = source.rsplit("/", 1)[0]
+            base = named.rsplit("/", 1)[0]
             lines = [line.strip() for line in text.splitlines()]
             return [line if is_url(line) or line.startswith("/") else f"{base}/{line}"
                     for line in lines if line and not line.startswith("#")]

@@ -389,22 +389,29 @@ class Named(http.server.SimpleHTTPRequestHandler):
     each request's path."""
 
     seen: list[str] = []
+    listing: Path
 
     def translate_path(self, path):
         from urllib.parse import unquote, urlsplit
 
         Named.seen.append(unquote(path))
-        return str(SAMPLES / ("grace_hopper.jpg" if unquote(urlsplit(path).path) == "/a[1].jpg" else "china.jpg"))
+        name = unquote(urlsplit(path).path)
+        if name == "/list.txt":
+            return str(Named.listing)
+        return str(SAMPLES / ("grace_hopper.jpg" if name == "/a[1].jpg" else "china.jpg"))
 
     def log_message(self, *args):
         pass
 
 
-def test_a_presigned_url_and_a_bracketed_name_are_fetched_as_written():
+def test_a_presigned_url_and_a_bracketed_name_are_fetched_as_written(tmp_path):
     """fsspec's cat takes `?` and `[` for a glob: it lists first, one URL at a time, and `a[1]`
-    matches `a1`. Each URL here is one request for exactly that object."""
+    matches `a1`. Each URL here is one request for exactly that object; a presigned list is a list
+    whose relative lines resolve against its folder."""
     from pipeline import storage
 
+    Named.listing = tmp_path / "list.txt"
+    Named.listing.write_text("x.jpg\nsub/y.jpg?v=2\n")
     server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Named)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}"
@@ -412,11 +419,13 @@ def test_a_presigned_url_and_a_bracketed_name_are_fetched_as_written():
     Named.seen = []
     try:
         got = storage.fetch(urls)
+        assert storage.list_url(f"{base}/list.txt?X-Amz-Signature=f00", frozenset()) == [f"{base}/x.jpg",
+                                                                                          f"{base}/sub/y.jpg?v=2"]
     finally:
         server.shutdown()
     china, grace = ((SAMPLES / name).read_bytes() for name in ("china.jpg", "grace_hopper.jpg"))
     assert got == {**{url: china for url in urls[:-1]}, urls[-1]: grace}
-    assert sorted(Named.seen) == sorted(url.removeprefix(base) for url in urls)
+    assert sorted(Named.seen) == sorted([url.removeprefix(base) for url in urls] + ["/list.txt?X-Amz-Signature=f00"])
 
 
 def test_storage_option_values_never_reach_a_report():
