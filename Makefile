@@ -25,6 +25,8 @@ $(STAMP): pyproject.toml Makefile $(VENV)/.torch
 	# Ultralytics for the YOLO contract's tests (its model YAMLs, its export, its NMS): --no-deps
 	# keeps full opencv out; what it imports for those comes with the dev extras.
 	$(BIN)/python -m pip install -q --no-deps ultralytics==8.4.190
+	# Azurite, Microsoft's Azure Storage emulator (npm), for the az:// tests: skipped without npm.
+	if command -v npm > /dev/null; then npm install --silent --no-audit --no-fund --prefix $(VENV)/azurite azurite@3.37.0; fi
 	touch $(STAMP)
 
 demo: $(STAMP)

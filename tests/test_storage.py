@@ -118,6 +118,66 @@ def test_without_obstore_s3_objects_come_through_s3fs(s3, monkeypatch):
         storage.set_options([])
 
 
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+"""Azurite's well-known development account key (public, in Microsoft's docs)."""
+
+
+@pytest.fixture(scope="module")
+def azurite(tmp_path_factory):
+    """Azurite's blob service (the Makefile installs it with npm), the samples under
+    az://photos/set/; its connection string."""
+    import subprocess
+    import sys
+    import time
+
+    binary = Path(sys.prefix) / "azurite" / "node_modules" / ".bin" / "azurite-blob"
+    if not binary.exists():
+        pytest.skip("Azurite is not installed: `make` installs it where npm is")
+    from azure.storage.blob import BlobServiceClient
+
+    port = free_port()
+    server = subprocess.Popen([str(binary), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--silent",
+                               "--skipApiVersionCheck", "--location", str(tmp_path_factory.mktemp("azurite"))],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    connection = (f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
+                  f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;")
+    for _ in range(300):  # listening? (the client's own retries back off for minutes)
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    container = BlobServiceClient.from_connection_string(connection).get_container_client("photos")
+    container.create_container()
+    for name in IMAGES:
+        container.upload_blob(f"set/{name}", (SAMPLES / name).read_bytes())
+    yield connection
+    server.kill()  # it waits on open connections for minutes after a SIGTERM; its data is a temporary folder
+    server.wait()
+
+
+def test_a_prefix_in_azure_blob_storage_gives_the_records_the_folder_gives(azurite, tmp_path):
+    """az:// through adlfs against Azurite: a prefix lists and reads as the folder does, a listed
+    blob that is not there is `missing`, and the connection string (it holds the key) reaches no
+    output file."""
+    local = gpudet("detect", SAMPLES, "--out", tmp_path / "local", "--device", "cpu")
+    assert local.returncode == 0, local.stderr
+    option = ["--storage-option", f"connection_string={azurite}"]
+    run = gpudet("detect", "az://photos/set/", "--out", tmp_path / "az", "--device", "cpu", *option)
+    assert run.returncode == 0, run.stderr
+    records = read_jsonl(tmp_path / "az" / "detections.jsonl")
+    assert [r["path"] for r in records] == [f"az://photos/set/{name}" for name in IMAGES]
+    assert without_paths(records) == without_paths(read_jsonl(tmp_path / "local" / "detections.jsonl"))
+    assert endpoint_not_in(tmp_path / "az", AZURITE_KEY)
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"az://photos/set/{IMAGES[0]}\naz://photos/set/none.jpg\n")
+    run = gpudet("detect", listing, "--out", tmp_path / "list", "--device", "cpu", *option)
+    assert run.returncode == 3, run.stderr
+    assert [r["path"] for r in read_jsonl(tmp_path / "list" / "detections.jsonl")] == [f"az://photos/set/{IMAGES[0]}"]
+    assert [(e["path"], e["reason"]) for e in read_jsonl(tmp_path / "list" / "errors.jsonl")] == [
+        ("az://photos/set/none.jpg", "missing")]
+
+
 def endpoint_not_in(folder: Path, endpoint: str) -> bool:
     """No file of an output folder holds the storage option's value."""
     return all(endpoint not in p.read_text(errors="replace") for p in folder.iterdir() if p.is_file())
