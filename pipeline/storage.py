@@ -84,6 +84,10 @@ def filesystem(protocol: str, settings: str):
     """The fsspec filesystem of a scheme with these options (JSON), made once per process."""
     import fsspec
 
+    if protocol == "gs" and "endpoint_url" in json.loads(settings):
+        # gcsfs asks Google's control plane for each bucket's layout: where there is none (an
+        # emulator, another endpoint) each try waits 60 s, and a failed one is tried again
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     try:
         return fsspec.filesystem(protocol, **json.loads(settings))
     except ImportError:
