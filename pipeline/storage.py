@@ -23,8 +23,10 @@ was recorded stays for --resume.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import os
+import posixpath
 import re
 import time
 from datetime import datetime, timedelta, timezone
@@ -100,7 +102,8 @@ def fs_of(url: str):
     """(filesystem, its path for `url`)."""
     protocol = scheme(url)
     name = {"gcs": "gs", "abfss": "abfs"}.get(protocol, protocol)
-    fs = filesystem(name, json.dumps(options(), sort_keys=True))
+    # --storage-option is for the object stores: aiohttp takes none of their keys (endpoint_url)
+    fs = filesystem(name, json.dumps({} if protocol in ("http", "https") else options(), sort_keys=True))
     return fs, url if protocol in ("http", "https") else fs._strip_protocol(url)
 
 
@@ -128,18 +131,38 @@ def list_url(source: str, image_extensions: frozenset[str]) -> list[str]:
             return sorted(url_of(fs, p, source) for p in found
                           if os.path.splitext(p)[1].lower() in image_extensions)
         if named.lower().endswith(".txt"):
-            text = fs.cat_file(path).decode("utf-8")
-            base = named.rsplit("/", 1)[0]
-            lines = [line.strip() for line in text.splitlines()]
-            return [line if is_url(line) or line.startswith("/") else f"{base}/{line}"
-                    for line in lines if line and not line.startswith("#")]
+            return list_lines(fs.cat_file(path), named)
         return [source]
     except FileNotFoundError:
         raise SourceError(f"source {source} does not exist; check the bucket and the path") from None
     except PermissionError as e:
         raise SourceError(f"source {source}: access refused ({e}); check the credentials") from None
-    except OSError as e:
-        raise SourceError(f"source {source}: cannot list it ({one_line(e, 200)})") from None
+    except Exception as e:  # noqa: BLE001 - the back-end's own (no credentials, no endpoint, an option it does not take)
+        raise SourceError(f"source {source}: cannot list it ({one_line(e, 200)}); check the endpoint, the "
+                          "credentials and the --storage-option values") from None
+
+
+def list_lines(data: bytes, url: str) -> list[str]:
+    """The lines of a file list stored at `url`, read as a local list is (listing.read_list): the
+    line ending is not part of a line, blank lines and lines starting with `#` are skipped, a
+    UTF-8 byte-order mark is ignored, other bytes are taken as they are. A URL line is taken as
+    written; `/x.jpg` resolves against the store's root (the bucket, the host), any other line
+    against the list's folder, `./` and `..` folded."""
+    root = re.match(r"[^:/]+://[^/]*", url).group(0)
+    folder = url[len(root):].rsplit("/", 1)[0]
+    urls = []
+    for line in data.removeprefix(codecs.BOM_UTF8).split(b"\n"):
+        line = line.removesuffix(b"\r")
+        if not line.strip() or line.startswith(b"#"):
+            continue
+        text = os.fsdecode(line)
+        if is_url(text):
+            urls.append(text)
+            continue
+        name, query, rest = text.partition("?")
+        path = posixpath.normpath(name if name.startswith("/") else f"{folder}/{name}")
+        urls.append(root + "/" + path.lstrip("/") + query + rest)
+    return urls
 
 
 def fast_find(fs, path: str) -> list[str] | None:

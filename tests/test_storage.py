@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SAMPLES, batched_constant_model, gpudet, read_jsonl
+from conftest import SAMPLES, batched_constant_model, gpudet, one_clear_line, read_jsonl
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 IMAGES = sorted(p.name for p in SAMPLES.iterdir() if p.suffix in (".png", ".jpg"))
@@ -61,6 +61,16 @@ def test_a_prefix_in_s3_gives_the_records_the_folder_gives(s3, tmp_path):
     assert [r["path"] for r in records] == [f"s3://photos/set/{name}" for name in IMAGES]
     assert without_paths(records) == without_paths(read_jsonl(tmp_path / "local" / "detections.jsonl"))
     assert endpoint_not_in(tmp_path / "s3", s3)
+
+
+def test_a_prefix_the_back_end_cannot_list_is_one_line(s3, tmp_path):
+    """An option the back-end does not take, or no credentials: one line, exit 2, no traceback."""
+    run = on_s3("detect", "s3://photos/set/", "--out", tmp_path / "o", "--storage-option", "bogus=1", endpoint=s3)
+    one_clear_line(run, 2, "s3://photos/set/", "--storage-option")
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    run = gpudet("detect", "s3://photos/set/", "--out", tmp_path / "o", "--storage-option", f"endpoint_url={s3}",
+                 env={**bare, "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none")})
+    one_clear_line(run, 2, "s3://photos/set/", "credentials")
 
 
 def test_s3_objects_come_through_obstore_and_what_it_fails_through_s3fs(s3, monkeypatch):
@@ -500,7 +510,7 @@ class Named(http.server.SimpleHTTPRequestHandler):
 
         Named.seen.append(unquote(path))
         name = unquote(urlsplit(path).path)
-        if name == "/list.txt":
+        if name == "/d/list.txt":
             return str(Named.listing)
         return str(SAMPLES / ("grace_hopper.jpg" if name == "/a[1].jpg" else "china.jpg"))
 
@@ -510,26 +520,29 @@ class Named(http.server.SimpleHTTPRequestHandler):
 
 def test_a_presigned_url_and_a_bracketed_name_are_fetched_as_written(tmp_path):
     """fsspec's cat takes `?` and `[` for a glob: it lists first, one URL at a time, and `a[1]`
-    matches `a1`. Each URL here is one request for exactly that object; a presigned list is a list
-    whose relative lines resolve against its folder."""
+    matches `a1`. Each URL here is one request for exactly that object, with no S3 option. A
+    presigned list is a list, read as a local one is: its relative lines against its folder, `/x`
+    against the host, `./` and `..` folded, the byte-order mark, `\\r` and comments left out."""
     from pipeline import storage
 
     Named.listing = tmp_path / "list.txt"
-    Named.listing.write_text("x.jpg\nsub/y.jpg?v=2\n")
+    Named.listing.write_bytes(b"\xef\xbb\xbfx.jpg\r\nsub/y.jpg?v=2\n./#z.jpg\n../up.jpg\n/top.jpg\n\n# a comment\n")
     server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Named)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}"
     urls = [f"{base}/photo{i}.jpg?X-Amz-Expires=3600&X-Amz-Signature=f00{i}" for i in range(8)] + [f"{base}/a[1].jpg"]
     Named.seen = []
+    storage.set_options(["endpoint_url=http://127.0.0.1:9"])  # an S3 store's option: web URLs take none
     try:
         got = storage.fetch(urls)
-        assert storage.list_url(f"{base}/list.txt?X-Amz-Signature=f00", frozenset()) == [f"{base}/x.jpg",
-                                                                                          f"{base}/sub/y.jpg?v=2"]
+        assert storage.list_url(f"{base}/d/list.txt?X-Amz-Signature=f00", frozenset()) == [
+            f"{base}/d/x.jpg", f"{base}/d/sub/y.jpg?v=2", f"{base}/d/#z.jpg", f"{base}/up.jpg", f"{base}/top.jpg"]
     finally:
+        storage.set_options([])
         server.shutdown()
     china, grace = ((SAMPLES / name).read_bytes() for name in ("china.jpg", "grace_hopper.jpg"))
     assert got == {**{url: china for url in urls[:-1]}, urls[-1]: grace}
-    assert sorted(Named.seen) == sorted([url.removeprefix(base) for url in urls] + ["/list.txt?X-Amz-Signature=f00"])
+    assert sorted(Named.seen) == sorted([url.removeprefix(base) for url in urls] + ["/d/list.txt?X-Amz-Signature=f00"])
 
 
 def test_storage_option_values_never_reach_a_report():
