@@ -390,7 +390,32 @@ def fetch(urls: list[str]) -> dict[str, bytes | Unreadable]:
         refused = [url for url in paths.values() if getattr(results.get(url), "reason", None) == "forbidden"]
         if refused:
             check_credentials(fs, refused[0])
+        if id(fs) not in READ_BEFORE:
+            check_reachable(fs, [results[url] for url in paths.values()])
     return results
+
+
+FAILED_FIRST: dict[int, int] = {}
+"""Per filesystem (its id) that has served nothing yet, how many objects in a row it refused or
+could not serve."""
+FAILED_FIRST_LIMIT = 8
+
+
+def check_reachable(fs, answers: list[bytes | Unreadable]) -> None:
+    """Before a filesystem has served anything: SourceError once FAILED_FIRST_LIMIT objects in a
+    row were refused or unreadable (the credentials, the endpoint or the network, not the
+    objects): one line and exit 2 rather than every image of the list recorded as failed."""
+    failed = [a for a in answers if isinstance(a, Unreadable) and a.reason in ("forbidden", "unreadable")]
+    if len(failed) < len(answers):
+        FAILED_FIRST.pop(id(fs), None)
+        return
+    FAILED_FIRST[id(fs)] = FAILED_FIRST.get(id(fs), 0) + len(failed)
+    if FAILED_FIRST[id(fs)] >= FAILED_FIRST_LIMIT:
+        what = ("refused every object asked for" if all(a.reason == "forbidden" for a in failed)
+                else "served none of the objects asked for")
+        raise SourceError(f"the store {what} ({FAILED_FIRST[id(fs)]} in a row, the last: {one_line(failed[-1], 160)}); "
+                          "check the endpoint, the credentials and the --storage-option values, then run the same "
+                          "command again")
 
 
 def read_url(url: str) -> bytes:

@@ -451,6 +451,23 @@ def test_credentials_refused_mid_run_stop_it_with_one_line_and_resume_finishes(t
     assert sorted(r["index"] for r in read_jsonl(tmp_path / "o" / "detections.jsonl")) == list(range(24))
 
 
+def test_a_store_that_refuses_everything_from_the_start_stops_the_run_with_one_line(tmp_path):
+    """Credentials the store never honours: the run stops with one line and exit 2 after a few
+    objects, rather than recording every image of the list as forbidden."""
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"s3://photos/set/{name}\n" for name in IMAGES * 4))  # 24 images
+    port = free_port()
+    server, endpoint = moto_process(port, authorised_requests=1 + len(IMAGES))  # the bucket, the uploads
+    try:
+        run = on_s3("detect", listing, "--out", tmp_path / "o", "--batch-size", "2", endpoint=endpoint)
+    finally:
+        server.terminate()
+        server.wait()
+    one_clear_line(run, 2, "refused every object", "credentials")
+    errors = tmp_path / "o" / "errors.jsonl"
+    assert not errors.exists() or len(read_jsonl(errors)) < 24
+
+
 class Flaky(http.server.SimpleHTTPRequestHandler):
     """Serves samples/; every `fail_every`-th request for an image gets a 503; /forbidden/ a 403."""
 
