@@ -462,7 +462,8 @@ def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_thr
     pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="gpudet-read")
     decoders = ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="gpudet-decode") if scaled else None
     most_ahead = max(lookahead, -(-remote_requests // batch_size))
-    fetchers = ThreadPoolExecutor(max_workers=most_ahead + 1, thread_name_prefix="gpudet-fetch")  # threads as needed
+    # a batch's requests a thread: about remote_requests in flight (threads start as needed)
+    fetchers = ThreadPoolExecutor(max_workers=-(-remote_requests // batch_size), thread_name_prefix="gpudet-fetch")
     count = objects = object_bytes = 0
     try:
         def submit(chunk: list[Item]) -> tuple[list[Future], bool]:

@@ -132,6 +132,8 @@ def list_url(source: str, image_extensions: frozenset[str]) -> list[str]:
                           if os.path.splitext(p)[1].lower() in image_extensions)
         if named.lower().endswith(".txt"):
             return list_lines(fs.cat_file(path), named)
+        if not fs.exists(path):  # one object, as a missing file is: exit 2 before the run
+            raise FileNotFoundError(path)
         return [source]
     except FileNotFoundError:
         raise SourceError(f"source {source} does not exist; check the bucket and the path") from None
@@ -415,7 +417,7 @@ def check_reachable(fs, answers: list[bytes | Unreadable]) -> None:
                 else "served none of the objects asked for")
         raise SourceError(f"the store {what} ({FAILED_FIRST[id(fs)]} in a row, the last: {one_line(failed[-1], 160)}); "
                           "check the endpoint, the credentials and the --storage-option values, then run the same "
-                          "command again")
+                          "command with --resume (the records written so far are kept)")
 
 
 def read_url(url: str) -> bytes:

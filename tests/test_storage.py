@@ -64,9 +64,12 @@ def test_a_prefix_in_s3_gives_the_records_the_folder_gives(s3, tmp_path):
 
 
 def test_a_prefix_the_back_end_cannot_list_is_one_line(s3, tmp_path):
-    """An option the back-end does not take, or no credentials: one line, exit 2, no traceback."""
+    """An option the back-end does not take, a missing object as the source, or no credentials:
+    one line, exit 2, no traceback."""
     run = on_s3("detect", "s3://photos/set/", "--out", tmp_path / "o", "--storage-option", "bogus=1", endpoint=s3)
     one_clear_line(run, 2, "s3://photos/set/", "--storage-option")
+    run = on_s3("detect", "s3://photos/set/none.jpg", "--out", tmp_path / "o", endpoint=s3)  # as a missing file is
+    one_clear_line(run, 2, "s3://photos/set/none.jpg", "does not exist")
     bare = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     run = gpudet("detect", "s3://photos/set/", "--out", tmp_path / "o", "--storage-option", f"endpoint_url={s3}",
                  env={**bare, "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none")})
