@@ -167,17 +167,22 @@ def list_lines(data: bytes, url: str) -> list[str]:
     return urls
 
 
+def in_event_loop() -> bool:
+    """Whether the calling thread runs an event loop (a notebook's): obstore's path steps aside
+    there (asyncio.run cannot nest), and s3fs does the work."""
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return False
+
+
 def fast_find(fs, path: str) -> list[str] | None:
     """The objects under an S3 prefix ("bucket/prefix/", s3fs's), listed by obstore (its pages
     parsed outside Python: 2.5x s3fs's rate over 20,000 objects), or None where s3fs lists them:
     not S3, no store, or a listing that failed (s3fs says why)."""
-    if type(fs).__name__ != "S3FileSystem":
+    if type(fs).__name__ != "S3FileSystem" or in_event_loop():
         return None
-    try:
-        asyncio.get_running_loop()
-        return None
-    except RuntimeError:
-        pass
     bucket, _, prefix = path.rstrip("/").partition("/")
     store = fast_store(fs, bucket)
     if store is None:
@@ -291,11 +296,8 @@ def fast_fetch(fs, paths: list[str]) -> dict[str, bytes | OSError]:
     (s3fs fetches them), all of them where obstore is not installed or the calling thread runs an
     event loop (a notebook's). A bucket whose store has failed every request it made goes to s3fs
     alone."""
-    try:
-        asyncio.get_running_loop()
+    if in_event_loop():
         return {}
-    except RuntimeError:
-        pass
     try:
         import obstore
         from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
