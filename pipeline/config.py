@@ -170,10 +170,12 @@ class RunConfig:
     faster, with ~1e-3 relative error. false for float32 results that match the CPU's closely."""
     oom_retry: bool = True
     """On GPU out-of-memory in the model, run each batch in halves (down to one image) and go on."""
-    cuda_graph: bool = False
+    cuda_graph: Literal["auto", True, False] = False
     """ONNX Runtime's CUDA graph for the model (GPU only): its kernels captured once and replayed,
     the batch size fixed at load, one device-to-device copy of each batch into the graph's input
-    buffer. Needs a model with static output shapes (a heads contract). No out-of-memory retry."""
+    buffer. Needs a model with static output shapes (a heads contract, an export with a fixed
+    batch). No out-of-memory retry. auto: on where the model's shapes allow it, else off (a model
+    exported with dynamic shapes runs kernel by kernel, its batch size free)."""
     worker_restarts: int = 2
     """--devices: a worker that dies (killed by a signal or aborted, as by a CUDA fault: the
     process cannot continue, nothing is lost since results are flushed per batch) is started again

@@ -227,13 +227,15 @@ class Opened:
     """The batch size the model itself fixes (None: any); image_input.batch also counts batch_size."""
     cuda_options: dict[str, str]
     cuda_graph: bool
+    """Whether ORT replays the model as a CUDA graph (run.cuda_graph "auto" decided)."""
 
 
 def open_session(model_path: Path, *, cuda_index: int | None, stream: int | None = None,
                  input_size_hw: tuple[int, int] | None = None, batch_size: int | None = None,
-                 cuda_options: dict[str, str] | None = None, cuda_graph: bool = False) -> Opened:
+                 cuda_options: dict[str, str] | None = None, cuda_graph: bool | str = False) -> Opened:
     """The session Engine runs (its arguments: Engine's), on cuda:`cuda_index` with `stream` as
-    ORT's compute stream, or on the CPU (cuda_index None)."""
+    ORT's compute stream, or on the CPU (cuda_index None). cuda_graph "auto": on where the shapes
+    allow it (Opened.cuda_graph says)."""
     check_external_data(model_path)
     cuda_options = dict(cuda_options or {})
     # A first, unoptimized CPU session only reads the inputs (it is cheap; the real session
@@ -249,26 +251,37 @@ def open_session(model_path: Path, *, cuda_index: int | None, stream: int | None
         if len(overrides) != 2 or hw_dims[0] == hw_dims[1]:
             overrides = {}  # unnamed or shared dims cannot be fixed independently
     batch_dim = next(s for s in inputs if s.name == image.name).shape[0]
+    size_fixed = image.size_hw is not None or len(overrides) == 2
     if image.batch is None and batch_size is not None and isinstance(batch_dim, str) and batch_dim not in overrides:
         overrides[batch_dim] = batch_size
-    cuda_graph = cuda_graph and cuda_index is not None
+    # ORT refuses a graph with nodes off the CUDA EP only after loading; say why first.
+    dynamic = [f"{a.name} {a.shape}" for a in probe.get_outputs()
+               if not all(isinstance(d, int) or (i == 0 and d == batch_dim) for i, d in enumerate(a.shape))]
+    static = (image.batch is not None or batch_dim in overrides) and size_fixed and not dynamic
+    if cuda_graph == "auto" and not static:
+        overrides.pop(batch_dim, None)  # no graph: the batch size stays free
+    asked, cuda_graph = cuda_graph, bool(cuda_graph) and cuda_index is not None and (static or cuda_graph != "auto")
     if cuda_graph:
-        # ORT refuses a graph with nodes off the CUDA EP only after loading; say why first.
-        dynamic = [f"{a.name} {a.shape}" for a in probe.get_outputs()
-                   if not all(isinstance(d, int) or (i == 0 and d == batch_dim) for i, d in enumerate(a.shape))]
-        if (image.batch is None and batch_dim not in overrides) or (image.size_hw is None and len(overrides) < 2) \
-                or dynamic:
+        if not static:
             raise ModelError(f"{model_path}: run.cuda_graph needs static shapes (the batch and input size "
                              f"fixed, outputs the batch size decides); found inputs {describe_io(inputs)}, "
-                             f"dynamic outputs {', '.join(dynamic) or 'none'}. Use a heads model or "
-                             "run.cuda_graph=false")
+                             f"dynamic outputs {', '.join(dynamic) or 'none'}. Use a heads model, "
+                             "run.cuda_graph=auto or run.cuda_graph=false")
         cuda_options["enable_cuda_graph"] = "1"
     providers = ["CPUExecutionProvider"]  # a list, also on the CPU: None is _session's unoptimized probe
     if cuda_index is not None:
         ort.preload_dlls()  # the CUDA 13 / cuDNN 9 libraries torch's wheels brought
         providers = [("CUDAExecutionProvider", {"device_id": str(cuda_index), "user_compute_stream": str(stream),
                                                 **cuda_options}), "CPUExecutionProvider"]
-    session = _session(model_path, overrides, providers)
+    try:
+        session = _session(model_path, overrides, providers)
+    except ModelError as e:
+        if not (cuda_graph and asked == "auto"):
+            raise
+        # ORT refuses a graph once it has placed some nodes off the CUDA EP: auto runs without one
+        log.info("%s runs kernel by kernel (run.cuda_graph auto): %s", model_path.name, e)
+        return open_session(model_path, cuda_index=cuda_index, stream=stream, input_size_hw=input_size_hw,
+                            cuda_options={k: v for k, v in cuda_options.items() if k != "enable_cuda_graph"})
     model = ModelIO.of(model_path, session)
     return Opened(session, model, find_image_input(model.inputs, model_path), image.batch, cuda_options, cuda_graph)
 

@@ -507,3 +507,24 @@ def test_the_cpu_takes_its_own_batch_size_unless_one_is_given():
     assert Detector.from_config(device="cpu").batch_size == 8  # run.cpu_batch_size
     assert Detector.from_config(device="cpu", batch_size=32).batch_size == 32  # --batch-size sets both
     assert Detector.from_config(device="cpu", overrides=["run.cpu_batch_size=3"]).batch_size == 3
+
+
+def test_cuda_graph_auto_fixes_the_batch_only_where_the_shapes_allow_a_graph(heads_model, tmp_path):
+    """run.cuda_graph auto: a model whose outputs the batch size decides gets its batch fixed (what
+    a graph needs); a model with an output of its own size (an end-to-end export's detections)
+    keeps any batch size, where cuda_graph true refuses it with the reason."""
+    from pipeline.session import open_session
+
+    static = open_session(heads_model, cuda_index=None, batch_size=4, cuda_graph="auto")
+    assert static.session.get_inputs()[0].shape[0] == 4
+    dynamic = tmp_path / "dynamic.onnx"  # found [4, n]: where the image is not zero
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("NonZero", ["images"], ["found"])], "dynamic",
+        [onnx.helper.make_tensor_value_info("images", onnx.TensorProto.FLOAT, ["b", 3, "h", "w"])],
+        [onnx.helper.make_tensor_value_info("found", onnx.TensorProto.INT64, [4, "n"])])
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8),
+              str(dynamic))
+    opened = open_session(dynamic, cuda_index=None, input_size_hw=(64, 64), batch_size=4, cuda_graph="auto")
+    assert opened.session.get_inputs()[0].shape[0] == "b" and not opened.cuda_graph
+    with pytest.raises(ModelError, match="run.cuda_graph needs static shapes"):
+        open_session(dynamic, cuda_index=0, input_size_hw=(64, 64), batch_size=4, cuda_graph=True)
