@@ -146,6 +146,10 @@ class RunConfig:
     storage_read_ahead_mb: int = 512
     """Object-storage sources: what the batches read ahead may hold, in MiB (at the mean object
     size so far), whatever storage_requests asks; at least prefetch_batches' worth is read ahead."""
+    storage_processes: int = 2
+    """Processes that fetch a URL source's objects, each with its own Python interpreter: this
+    one's threads (DALI's feeding, the model's launches, the writer) hold its GIL, which each
+    fetched object needs. 0: fetched by this process's threads."""
     prefetch_batches: int = 2
     """Batches DALI preprocesses ahead of the one the engine takes (each one more holds a batch
     of encoded and decoded images and its model input in memory)."""
@@ -270,6 +274,7 @@ class Config:
         need(self.run.worker_restarts >= 0, "run.worker_restarts", "must be >= 0 (0: never restart a worker)")
         need(0 < self.run.storage_requests <= 4096, "run.storage_requests", "must be in 1..4096")
         need(self.run.storage_read_ahead_mb > 0, "run.storage_read_ahead_mb", "must be > 0")
+        need(0 <= self.run.storage_processes <= 64, "run.storage_processes", "must be in 0..64 (0: fetched here)")
         need(0 < self.run.prefetch_batches <= 16, "run.prefetch_batches", "must be in 1..16")
         need(2 <= self.run.pipeline_depth <= 8, "run.pipeline_depth", "must be in 2..8 (2: the postprocess of one "
              "batch overlaps the model on the next)")

@@ -12,7 +12,7 @@ import logging
 import os
 import stat
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
@@ -416,12 +416,14 @@ def checked(item: Item | ImageError, max_pixels: int = 0, max_bytes: int = 0,
 
 
 def read_all(items: Sequence[Item], max_pixels: int = 0, max_bytes: int = 0, scaled: ScaledDecode | None = None,
-             decoders: ThreadPoolExecutor | None = None) -> list[EncodedImage | PixelImage | ImageError | Future]:
+             decoders: ThreadPoolExecutor | None = None, fetch: Callable[[list[str]], dict] | None = None
+             ) -> list[EncodedImage | PixelImage | ImageError | Future]:
     """`checked` of each item; a large JPEG to decode at a reduced scale is handed to `decoders`
-    (its Future in its place), or decoded here without them."""
+    (its Future in its place), or decoded here without them. URLs are fetched by `fetch`
+    (default storage.fetch: in this process)."""
     done = []
     urls = [i.path for i in items if isinstance(i, ImageRef) and storage.is_url(i.path)]
-    fetched = storage.fetch(urls) if urls else {}  # concurrently, with retries
+    fetched = (fetch or storage.fetch)(urls) if urls else {}  # concurrently, with retries
     for item in items:
         if isinstance(item, ImageRef) and item.path in fetched:
             data = fetched[item.path]
@@ -442,7 +444,7 @@ when none is waiting; each stage hands on what it holds, then the mark."""
 def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_threads: int, max_pixels: int = 0,
                 max_bytes: int = 0, scaled: ScaledDecode | None = None, scaled_share: float = 1.0,
                 decode_threads: int = 1, lookahead: int = 2, remote_requests: int = 128,
-                remote_ahead_bytes: int = 512 << 20
+                remote_ahead_bytes: int = 512 << 20, remote_processes: int = 0
                 ) -> Iterator[list[EncodedImage | PixelImage | ImageError] | None]:
     """Each batch (at most batch_size items, or FLUSH) read and checked, in order, `lookahead`
     batches read ahead on num_threads threads; `chunks` is taken as it is needed, so it may be a
@@ -452,7 +454,9 @@ def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_thr
     A batch that holds URLs is one task on threads of its own: its objects are requested all at
     once, and batches are read further ahead, so that about `remote_requests` requests are in
     flight (an object store answers each after tens of milliseconds, a local disk at once), as far
-    as `remote_ahead_bytes` allows at the mean object size read so far.
+    as `remote_ahead_bytes` allows at the mean object size read so far. With remote_processes,
+    the objects are fetched in that many processes of their own (fetching.py), started at the
+    first URL, so that the GIL this process's threads hold does not hold them back.
 
     scaled: the large JPEGs of `scaled_share` of the batches (spread evenly: batch k when
     floor((k + 1) * share) > floor(k * share)) are decoded at a reduced scale on decode_threads
@@ -464,14 +468,21 @@ def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_thr
     most_ahead = max(lookahead, -(-remote_requests // batch_size))
     # a batch's requests a thread: about remote_requests in flight (threads start as needed)
     fetchers = ThreadPoolExecutor(max_workers=-(-remote_requests // batch_size), thread_name_prefix="gpudet-fetch")
+    processes = None
     count = objects = object_bytes = 0
     try:
         def submit(chunk: list[Item]) -> tuple[list[Future], bool]:
-            nonlocal count
+            nonlocal count, processes
             here = scaled if int((count + 1) * scaled_share) > int(count * scaled_share) else None
             count += 1
             if any(isinstance(i, ImageRef) and storage.is_url(i.path) for i in chunk):
-                return [fetchers.submit(read_all, chunk, max_pixels, max_bytes, here, decoders)], True
+                if remote_processes and processes is None:
+                    from .fetching import FetchProcesses
+
+                    batches = -(-remote_requests // batch_size)
+                    processes = FetchProcesses(min(remote_processes, batches), -(-batches // remote_processes))
+                fetch = processes.fetch if processes else None
+                return [fetchers.submit(read_all, chunk, max_pixels, max_bytes, here, decoders, fetch)], True
             return [pool.submit(read_all, chunk[i:i + step], max_pixels, max_bytes, here, decoders)
                     for i in range(0, len(chunk), step)], False
 
@@ -508,6 +519,8 @@ def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_thr
         for threads in (pool, fetchers, decoders):
             if threads is not None:
                 threads.shutdown(wait=False, cancel_futures=True)
+        if processes is not None:
+            processes.close()
 
 
 def batched(items: Iterable, size: int) -> Iterator[list]:

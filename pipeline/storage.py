@@ -202,6 +202,9 @@ class Unreadable(OSError):
         super().__init__(message)
         self.reason = reason
 
+    def __reduce__(self):  # pickled by a fetching process (fetching.py) with both arguments
+        return Unreadable, (self.reason, str(self))
+
 
 def transient(error: BaseException) -> bool:
     """A failure worth trying again: a 5xx or 429 status, throttling, a reset, a timeout."""

@@ -689,3 +689,35 @@ def test_an_object_store_source_is_read_further_ahead_within_its_byte_budget(s3,
         assert ahead_of_each_batch(local, remote_requests=16)[:8] == [2] * 8
     finally:
         storage.set_options([])
+
+
+def test_objects_fetched_in_processes_of_their_own_are_those_this_process_fetches(s3, monkeypatch):
+    """fetching.FetchProcesses: the same bytes, and the same reason for a missing object, as
+    storage.fetch here; after one of its processes is killed, every batch is still answered whole
+    (by this process), and the run is told once."""
+    from pipeline import storage
+    from pipeline.fetching import FetchProcesses
+
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    storage.set_options([f"endpoint_url={s3}"])
+
+    def plain(answer: dict) -> dict:
+        return {url: value.reason if isinstance(value, storage.Unreadable) else bytes(value)
+                for url, value in answer.items()}
+
+    processes = None
+    try:
+        urls = [f"s3://photos/set/{name}" for name in IMAGES] + ["s3://photos/set/none.jpg"]
+        truth = plain(storage.fetch(urls))
+        assert truth[urls[-1]] == "missing" and all(isinstance(truth[url], bytes) for url in urls[:-1])
+        processes = FetchProcesses(2, 2)
+        assert [plain(processes.fetch(urls)) for _ in range(4)] == [truth] * 4 and not processes.broken
+        killed = processes._children[0].process
+        killed.kill()
+        killed.wait()
+        assert [plain(processes.fetch(urls)) for _ in range(4)] == [truth] * 4 and processes.broken
+    finally:
+        if processes is not None:
+            processes.close()
+        storage.set_options([])
