@@ -14,6 +14,7 @@
 #   OUT=DIR YOLO_MODELS="a.onnx b.onnx" bash scripts/gpu_check.sh yolo  # YOLO exports: bench beside ORT alone
 #   OUT=DIR bash scripts/gpu_check.sh profile     # scripts/profile_loop.py over COCO-sized JPEGs (its trace in /tmp)
 #   OUT=DIR RCLONE=BIN bash scripts/gpu_check.sh s3  # detect over the COCO-sized set: local disk, then an S3 server here
+#     (S3_SETS="KEY=VALUE ...": one more S3 run with each; RCLONE_FLAGS: the server's options)
 #
 # The GPU machine returns a few files per command: `tar czf "$OUT.tgz" -C "$OUT" .` after a mode keeps them all.
 #
@@ -193,7 +194,9 @@ case "${1:-}" in
     # turn ROUNDS times: what object storage costs when the store keeps up.
     versions | tee "$OUT/versions.txt"
     kind_set coco "${COCO:-20000}"
-    "${RCLONE:-rclone}" serve s3 --auth-key gpudetkey,gpudetsecret --addr 127.0.0.1:9123 "$IMAGES" > "$OUT/rclone.log" 2>&1 &
+    # shellcheck disable=SC2086 - RCLONE_FLAGS: more of rclone's options, word by word
+    "${RCLONE:-rclone}" serve s3 --auth-key gpudetkey,gpudetsecret --addr 127.0.0.1:9123 ${RCLONE_FLAGS:-} "$IMAGES" \
+      > "$OUT/rclone.log" 2>&1 &
     server=$!
     sleep 2
     kill -0 $server 2> /dev/null || { cat "$OUT/rclone.log"; exit 1; }
