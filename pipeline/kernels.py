@@ -1,5 +1,5 @@
-"""Three Triton kernels for the heads postprocess on a GPU, each in place of a few torch ops whose
-memory traffic or launches it avoids, with the same answer (tests/test_kernels.py):
+"""Two Triton kernels for the heads postprocess on a GPU, each in place of a few torch ops whose
+memory traffic it avoids, with the same answer (tests/test_kernels.py):
 
     row_max(x)              x.amax(dim=-1). RetinaNet's best class per anchor: a reduction over
                             91 float16 values per row, an odd, unaligned row that torch's reduction
@@ -8,9 +8,6 @@ memory traffic or launches it avoids, with the same answer (tests/test_kernels.p
                             64 to an int64 word in registers, instead of some twenty passes over
                             [B, K, K] float32 temporaries. None where it cannot run: nms has the
                             torch ops (nms.suppressor_rows).
-    fixed_point(...)        nms.fixed_point's steps without a host check: an image's steps in one
-                            program, its rows read from the L2 cache, instead of five torch kernels
-                            a step (eighty launches for top_nms's sixteen steps).
 
 Triton compiles a kernel on its first call (a second or two; later processes read it from
 Triton's cache, ~/.triton/cache or TRITON_CACHE_DIR). `compile_ahead` starts that compile on a
@@ -43,7 +40,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Launch shapes: the fastest measured on an H200 (docs/BENCHMARKS.md), (rows a program, warps).
 ROW_MAX_LAUNCH = (16, 1)
 SUPPRESSOR_LAUNCH = (16, 1)
-FIXED_POINT_LAUNCH = (64, 4)
 _failed: set[str] = set()
 _ahead: dict[torch.device, list[threading.Thread]] = {}
 _ahead_lock = threading.Lock()
@@ -74,7 +70,7 @@ def _give_up(name: str, error: Exception) -> None:
 
 def compile_ahead(device: torch.device, *, row_max_inputs: Iterable[tuple[torch.dtype, int]] = ()) -> None:
     """Compile, on a thread of its own, the kernels a postprocess on `device` will launch:
-    suppressor_words, fixed_point, and row_max for each (dtype, C) of its input's [..., C]. Compiling launches
+    suppressor_words, and row_max for each (dtype, C) of its input's [..., C]. Compiling launches
     nothing and loads nothing onto the GPU, so it can run beside ORT's warm-up and the CUDA graph
     ORT captures there. A kernel's first call waits for this thread. A compile that fails here is
     left for that first call to meet and report."""
@@ -90,9 +86,6 @@ def compile_ahead(device: torch.device, *, row_max_inputs: Iterable[tuple[torch.
             for dtype, columns in row_max_inputs]
     jobs.append(("suppressor_words", _suppressor_words_kernel,
                  (torch.float32, torch.int64, torch.int64, 1024, 16, 4096, 1024, 0.5), _suppressor_words_constants()))
-    # top_nms's steps on its prefix of 1,024 candidates (nms.NMS_STEPS)
-    jobs.append(("fixed_point", _fixed_point_kernel, (torch.int64, torch.int8, torch.int8, torch.int8, 1024, 16),
-                 _fixed_point_constants(16, 16)))
 
     def compile_all():
         with torch.cuda.device(device):
@@ -152,20 +145,6 @@ def suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, *, iou_threshol
     return None
 
 
-def fixed_point(rows: torch.Tensor, valid: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """nms.fixed_point(rows, valid, max_iterations=steps) with no host check: keep [B, K] bool and
-    converged [B] bool (the last step changed nothing). rows: int64 [B, K, ceil(K / 64)]. None
-    where the kernel cannot run (the caller runs the torch ops)."""
-    if _usable("fixed_point", rows, valid) and valid.numel() and steps > 0:
-        try:
-            _compiled_ahead(rows.device)
-            with _on(rows.device):
-                return _fixed_point(rows.contiguous(), valid, steps)
-        except Exception as e:
-            _give_up("fixed_point", e)
-    return None
-
-
 if triton is not None:
     @triton.jit
     def _max(a, b):
@@ -213,51 +192,6 @@ if triton is not None:
         hit = (iou > threshold) & same & (i[None, :] < j[:, None])
         word = tl.sum(hit.to(tl.int64) << tl.arange(0, 64).to(tl.int64)[None, :], axis=1)  # distinct bits: an OR
         tl.store(out_ptr + (b.to(tl.int64) * K + j) * W + tl.program_id(2), word, mask=row)
-
-
-    @triton.jit(do_not_specialize=["K", "W"])
-    def _fixed_point_kernel(rows_ptr, valid_ptr, keep_ptr, converged_ptr, K, W, STEPS: tl.constexpr,
-                            BLOCK_J: tl.constexpr, WORDS: tl.constexpr):
-        # One image. A step packs keep into words (bit t of word w: candidate 64 w + t), then, block
-        # by block of rows j, keep[j] = valid[j] and no kept i suppresses j: every thread reads the
-        # step's keep before any thread writes the next (the barriers), as the torch steps do.
-        b = tl.program_id(0).to(tl.int64)
-        rows = rows_ptr + b * K * W
-        valid, keep = valid_ptr + b * K, keep_ptr + b * K
-        w = tl.arange(0, WORDS)
-        t = tl.arange(0, 64)
-        at = w[:, None] * 64 + t[None, :]
-        changed = tl.sum(tl.zeros([BLOCK_J], dtype=tl.int32), axis=0)
-        for _ in range(STEPS):
-            kept = tl.load(keep + at, mask=at < K, other=0).to(tl.int64)
-            words = tl.sum(kept << t[None, :].to(tl.int64), axis=1)  # distinct bits: an OR
-            tl.debug_barrier()
-            changed = tl.sum(tl.zeros([BLOCK_J], dtype=tl.int32), axis=0)
-            for start in range(0, K, BLOCK_J):
-                j = start + tl.arange(0, BLOCK_J)
-                inside = j < K
-                row = tl.load(rows + j[:, None].to(tl.int64) * W + w[None, :],
-                              mask=inside[:, None] & (w[None, :] < W), other=0)
-                suppressed = tl.max(((row & words[None, :]) != 0).to(tl.int32), axis=1) > 0
-                now = ((tl.load(valid + j, mask=inside, other=0) != 0) & ~suppressed).to(tl.int8)
-                changed += tl.sum((now != tl.load(keep + j, mask=inside, other=0)).to(tl.int32), axis=0)
-                tl.store(keep + j, now, mask=inside)
-            tl.debug_barrier()
-        tl.store(converged_ptr + b, (changed == 0).to(tl.int8))
-
-
-def _fixed_point_constants(words: int, steps: int) -> dict:
-    block, warps = FIXED_POINT_LAUNCH
-    return dict(STEPS=steps, BLOCK_J=block, WORDS=triton.next_power_of_2(words), num_warps=warps)
-
-
-def _fixed_point(rows: torch.Tensor, valid: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, k = valid.shape
-    keep = valid.to(torch.int8)  # a copy: the steps write it in place
-    converged = torch.empty(batch, dtype=torch.int8, device=valid.device)
-    _fixed_point_kernel[(batch,)](rows, valid.to(torch.int8), keep, converged, k, rows.shape[2],
-                                  **_fixed_point_constants(rows.shape[2], steps))
-    return keep.bool(), converged.bool()
 
 
 def _row_max_constants(columns: int) -> dict:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline import kernels
-from pipeline.nms import fixed_point, packed_bits, suppressor_rows, suppressors
+from pipeline.nms import packed_bits, suppressor_rows, suppressors
 
 from conftest import random_boxes
 
@@ -68,33 +68,6 @@ def test_suppressor_words_on_the_gpu_are_the_packed_torch_suppressors():
     check_suppressor_words("cuda")
 
 
-def check_fixed_point(device: str) -> None:
-    """kernels.fixed_point against nms.fixed_point's torch steps: the same keep and converged, for
-    images that converge within the steps and images that do not (long suppression chains)."""
-    generator = torch.Generator().manual_seed(3)
-    cases = ((2, 1, 1), (2, 63, 2), (3, 64, 1), (2, 65, 3), (4, 300, 2), (2, 1024, 4)) if device == "cuda" else \
-        ((2, 1, 1), (2, 63, 2), (3, 64, 1), (2, 65, 3), (2, 200, 2))  # the interpreter runs a program at a time
-    for batch, k, num_classes in cases:
-        for grid in (False, True):
-            boxes = random_boxes(generator, batch, k, grid).to(device)
-            classes = torch.randint(0, num_classes, (batch, k), generator=generator).to(device)
-            rows = packed_bits(suppressors(boxes, classes, iou_threshold=0.3))
-            count = torch.randint(0, k + 1, (batch,), generator=generator).to(device)
-            valid = torch.arange(k, device=device)[None] < count[:, None]  # a prefix of each row, as top_nms
-            for steps in (1, 3, 16):
-                got = kernels.fixed_point(rows, valid, steps)
-                assert got is not None, "the Triton kernel did not run (see the warning)"
-                expected = fixed_point(rows.cpu(), valid.cpu(), max_iterations=steps)
-                assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1]), \
-                    (batch, k, grid, steps)
-    assert "fixed_point" not in kernels._failed, "the Triton kernel fell back to torch (see the warning)"
-
-
-@pytest.mark.cuda
-def test_fixed_point_on_the_gpu_is_the_torch_steps():
-    check_fixed_point("cuda")
-
-
 def check_compiled_ahead() -> None:
     """compile_ahead compiles each kernel as its first call specialises it: the calls after it
     compile nothing more. Run in a fresh process (nothing compiled yet)."""
@@ -103,9 +76,9 @@ def check_compiled_ahead() -> None:
     assert kernels._ahead[device], "compile_ahead started no thread"
     kernels._compiled_ahead(device)
     # Triton's compiled variants of a kernel for a device (the first entry of its per-device caches)
-    launched = (kernels._row_max_kernel, kernels._suppressor_words_kernel, kernels._fixed_point_kernel)
-    compiled = [len(kernel.device_caches[0][0]) for kernel in launched]
-    assert compiled == [1, 1, 1], compiled
+    compiled = [len(kernel.device_caches[0][0]) for kernel in (kernels._row_max_kernel,
+                                                                kernels._suppressor_words_kernel)]
+    assert compiled == [1, 1], compiled
     x = torch.randn(16, 5003, 37, device=device).half()
     torch.testing.assert_close(kernels.row_max(x), x.amax(dim=-1), rtol=0, atol=0)
     generator = torch.Generator().manual_seed(2)
@@ -114,11 +87,7 @@ def check_compiled_ahead() -> None:
     for k in (300, 64, 1):  # prefixes, as top_nms and exact_nms pass them
         got = kernels.suppressor_words(boxes[:, :k], classes[:, :k], iou_threshold=0.45)
         assert torch.equal(got, packed_bits(suppressors(boxes[:, :k], classes[:, :k], iou_threshold=0.45)))
-    boxes, classes = random_boxes(generator, 2, 1024, False).to(device), torch.zeros(2, 1024, dtype=torch.long)
-    rows = kernels.suppressor_words(boxes, classes.to(device), iou_threshold=0.45)  # top_nms's prefix
-    kept, _ = kernels.fixed_point(rows, torch.ones(2, 1024, dtype=torch.bool, device=device), 16)
-    assert torch.equal(kept.cpu(), fixed_point(rows.cpu(), torch.ones(2, 1024, dtype=torch.bool), max_iterations=16)[0])
-    after = [len(kernel.device_caches[0][0]) for kernel in launched]
+    after = [len(kernel.device_caches[0][0]) for kernel in (kernels._row_max_kernel, kernels._suppressor_words_kernel)]
     assert after == compiled, f"the calls compiled variants compile_ahead did not: {compiled} -> {after}"
     assert not kernels._failed
 
@@ -171,7 +140,7 @@ def test_a_process_that_exits_while_the_kernels_compile_exits_with_its_own_code(
 @pytest.mark.skipif(kernels.triton is None, reason="Triton is not installed beside torch")
 def test_the_kernels_in_tritons_interpreter_give_the_torch_answers():
     code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_kernels as t; " \
-           "t.check_row_max('cpu'); t.check_suppressor_words('cpu'); t.check_fixed_point('cpu')"
+           "t.check_row_max('cpu'); t.check_suppressor_words('cpu')"
     done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
