@@ -204,6 +204,10 @@ case "${1:-}" in
     watch=$!
     trap 'kill $server $watch' EXIT
     export AWS_ACCESS_KEY_ID=gpudetkey AWS_SECRET_ACCESS_KEY=gpudetsecret AWS_DEFAULT_REGION=us-east-1
+    for shape in "1 64" "4 32" "8 32"; do  # the server's own rate to a plain client, no GPU
+      # shellcheck disable=SC2086
+      $PY "$ROOT/scripts/s3_rate.py" http://127.0.0.1:9123 $shape 10000 | tee -a "$OUT/s3_rate.txt"
+    done
     served() { echo "$1: the S3 server's CPU so far: $(ps -o cputime= -p $server)" | tee -a "$OUT/server_cpu.txt"; }
     for round in $(seq "${ROUNDS:-2}"); do
       timed_detect "coco_disk_$round" now "$IMAGES/coco/list.txt"

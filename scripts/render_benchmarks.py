@@ -378,30 +378,90 @@ def cpu_table() -> str:
     return "\n".join(lines)
 
 
-S3_RUNS = (("a batch's share per reading thread (32 requests in flight)", "s3/aef1a51"),)
+S3_RUNS = (("a batch's share per reading thread (32 requests in flight)", "s3/aef1a51"),
+           ("2 fetching processes, 4 batches of 32 in flight", "s3/e19444f"),
+           ("the same", "s3/97bd201"),
+           ("the same, the server with `--buffer-size 0 --no-modtime --no-checksum`", "s3/97bd201_rclone_flags"))
 """`gpu_check.sh s3` runs, oldest first: (how that tree read the objects, its folder of summaries)."""
 
 
 def s3_table() -> str:
     lines = ["| tree, how it reads objects | round | from | wall clock from the command | of it: start | setup | then "
              "| detections | S3 / disk, rate (wall clock) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def row(label: str, k: str, where: str, s: dict, disk: dict | None) -> str:
+        ratio = (f"**{s['images_per_s'] / disk['images_per_s']:.2f}x** "
+                 f"({disk['seconds']['wall'] / s['seconds']['wall']:.2f}x)") if disk else ""
+        commit = s["tree"]["commit"] if "tree" in s else s["code"]["commit"][:7]
+        return (f"| {label} ({commit}) | {k} | {where} | {s['seconds']['wall']:.1f} s | {s['seconds']['startup']:.1f} s | "
+                f"{s['seconds']['setup']:.1f} s | {num(s['images_per_s'])} img/s | {num(s['detections'])} |  {ratio} |")
+
     for label, folder in S3_RUNS:
-        rounds = sorted(p.stem.split("_")[3] for p in (BENCH / folder).glob("detect_coco_s3_*_summary.json")
-                        if p.stem.split("_")[3].isdigit())
-        for k in rounds:
+        names = sorted(p.stem.removeprefix("detect_coco_s3_").removesuffix("_summary")
+                       for p in (BENCH / folder).glob("detect_coco_s3_*_summary.json"))
+        for k in [n for n in names if n.isdigit()]:
             disk, s3 = (load(f"{folder}/detect_coco_{where}_{k}_summary") for where in ("disk", "s3"))
-            for where, s in (("local disk", disk), ("S3", s3)):
-                ratio = (f"**{s3['images_per_s'] / disk['images_per_s']:.2f}x** "
-                         f"({disk['seconds']['wall'] / s3['seconds']['wall']:.2f}x)") if s is s3 else ""
-                lines.append(f"| {label} ({s['code']['commit'][:7]}) | {k} | {where} | {s['seconds']['wall']:.1f} s | "
-                             f"{s['seconds']['startup']:.1f} s | {s['seconds']['setup']:.1f} s | "
-                             f"{num(s['images_per_s'])} img/s | {num(s['detections'])} |  {ratio} |")
+            lines += [row(label, k, "local disk", disk, None), row(label, k, "S3", s3, disk)]
+        for extra in [n for n in names if not n.isdigit()]:  # S3_SETS: one more S3 run each, against round 1's disk
+            key, value = extra.rsplit("_", 1)  # run_storage_processes_0: run.storage_processes=0
+            lines.append(row(label, "+1", f"S3, `run.{key.removeprefix('run_')}={value}`",
+                             load(f"{folder}/detect_coco_s3_{extra}_summary"),
+                             load(f"{folder}/detect_coco_disk_1_summary")))
     s = load(f"{S3_RUNS[-1][1]}/detect_coco_s3_1_summary")
     return "\n".join(lines + ["", f"The default `gpudet detect` over {num(s['images'])} distinct COCO-sized JPEGs "
                                "(`make_image_set.py --kind coco`), from the local disk (a file list) and from "
                                "`rclone serve s3` on the same machine serving the same folder (`s3://coco/`, "
-                               f"`--storage-option endpoint_url=...`), in turn; {s['device']}, 16 cores; "
-                               f"{s['started'][:10]}. Command: `scripts/gpu_check.sh s3`."])
+                               "`--storage-option endpoint_url=...`), in turn; the aef1a51 run on an H200, the others on "
+                               f"an H100; 16 cores; {s['started'][:10]}. Command: `scripts/gpu_check.sh s3` "
+                               "(`S3_SETS=run.storage_processes=0`: the +1 rows)."])
+
+
+YOLO_RUNS = (("YOLO11n, kernel by kernel", "h100/yolo11n_seeded"),
+             ("YOLO11n, one CUDA graph (`run.cuda_graph: auto`)", "yolo/yolo11n_e19444f"),
+             ("YOLO11n, the same with `run.prefer_nhwc=true`", "yolo/yolo11n_nhwc_e19444f"),
+             ("YOLO11n, a CUDA graph, NMS steps as one Triton kernel (reverted)", "yolo/yolo11n_97bd201"),
+             ("YOLO11m, the same tree", "yolo/yolo11m_97bd201"))
+"""`gpu_check.sh yolo` runs: (the export and how it ran, its report)."""
+
+
+def yolo_table() -> str:
+    lines = ["| export, how it ran | tree | gpudet loop img/s (passes) | ORT alone | DALI alone | gpudet / ORT alone | "
+             "detections per image | the loop waited on the postprocess | GPU busy |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for label, name in YOLO_RUNS:
+        r = load(name)
+        rates, stages = r["images_per_s"], r["gpudet_stages_s"]
+        lines.append(f"| {label} | {r['tree']['commit']} | **{num(rates['gpudet'], 1)}** "
+                     f"({', '.join(num(p, 1) for p in r['gpudet_passes_images_per_s'])}) | {num(rates['model'], 1)} | "
+                     f"{num(rates['preprocess'], 1)} | **{rates['gpudet'] / rates['model']:.2f}x** | "
+                     f"{r['detections_per_image']} | {stages['postprocess']:.2f} s | "
+                     f"{stages['gpu_utilisation_percent']:.0f}% |")
+    r = load(YOLO_RUNS[-1][1])
+    m = r["machine"]
+    return "\n".join(lines + ["", f"{r['images']} crops, batch {r['batch_size']}, 640x640, fp32 exports with random "
+                               f"weights seeded by `scripts/seed_yolo.py`; {m['gpus'][0]}, {m['cores']} cores; torch "
+                               f"{m['torch']}, onnxruntime {m['onnxruntime']}, DALI {m['dali']}; {r['date'][:10]}. "
+                               "Command: `YOLO_MODELS=... bash scripts/gpu_check.sh yolo`."])
+
+
+COCO_BATCHES = (("32 (the default)", "coco20k/batch32_e19444f"), ("64", "coco20k/batch64_e19444f"))
+
+
+def batch_table() -> str:
+    lines = ["| `run.batch_size` | gpudet loop img/s (passes) | DALI alone | ORT alone | loop / DALI alone | setup from the command | "
+             "the loop waited on DALI / the postprocess | GPU busy |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for label, name in COCO_BATCHES:
+        r = load(name)
+        rates, stages = r["images_per_s"], r["gpudet_stages_s"]
+        lines.append(f"| {label} | **{num(rates['gpudet'])}** ({', '.join(num(p) for p in r['gpudet_passes_images_per_s'])})"
+                     f" | {num(rates['preprocess'])} | {num(rates['model'])} | **{rates['gpudet'] / rates['preprocess']:.2f}x**"
+                     f" | {r['gpudet_setup_s']['since_start']:.1f} s | {stages['preprocess']:.2f} s / {stages['postprocess']:.2f} s"
+                     f" | {stages['gpu_utilisation_percent']:.0f}% |")
+    r = load(COCO_BATCHES[0][1])
+    return "\n".join(lines + ["", f"The default config over {num(r['images'])} distinct COCO-sized JPEGs, one after "
+                               f"the other in one session; {r['machine']['gpus'][0]}, tree {r['tree']['commit']}, "
+                               f"{r['date'][:10]}. Command: `gpudet bench coco/list.txt --device cuda --limit 20000 "
+                               "--skip-naive --set run.batch_size=N`."])
 
 
 PROFILE = "profile/coco_8000"
@@ -435,7 +495,7 @@ def shorten(command: str) -> str:
 SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "retinanet": retinanet_table,
             "ray": ray_table, "formats": formats_table, "threads": threads_table,
             "omp": omp_table, "cpu": cpu_table, "expert": expert_table, "s3": s3_table,
-            "profile": profile_table}
+            "profile": profile_table, "yolo": yolo_table, "batches": batch_table}
 
 
 ALL_SECTIONS = SECTIONS | {"speed": speed_table}
