@@ -2,7 +2,7 @@
 
 Images are matched by file name: a record's path must end with an image's `file_name` (its
 relative path in the annotation file), or, failing that, have the same base name as exactly one
-image. Categories are matched by name (case-insensitive) between the model's labels and the
+image. A web URL's path is matched without its query, percent-decoded (storage.named_path). Categories are matched by name (case-insensitive) between the model's labels and the
 annotation file's categories.
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError, OutputError
+from .storage import named_path
 
 log = logging.getLogger("gpudet")
 
@@ -71,7 +72,7 @@ class ImageMatcher:
             self.by_base[base] = None if base in self.by_base else image_id  # None: ambiguous
 
     def __call__(self, path: str) -> int | None:
-        path = path.replace("\\", "/")
+        path = named_path(path).replace("\\", "/")
         parts = path.split("/")
         for k in range(len(parts)):  # the longest trailing part that is a file_name
             image_id = self.by_file_name.get("/".join(parts[k:]))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .errors import OutputError
 from .layout import EXPORT_MARKER
+from .storage import named_path
 
 CSV_COLUMNS = ["index", "path", "width", "height", "x1", "y1", "x2", "y2", "score", "label", "name"]
 
@@ -51,7 +52,7 @@ def write_yolo(records: Iterable[dict], folder: Path) -> tuple[int, int]:
             raise OutputError(f"{record['path']}: its record has no image size; YOLO labels need it (records of "
                               "gpudet detect have it)")
         w, h = record["width"], record["height"]
-        stem = Path(record["path"]).stem or "image"
+        stem = Path(named_path(record["path"])).stem or "image"
         name = stem if stem not in stems else f"{stem}_{record['index']}"
         stems.add(name)
         lines = []

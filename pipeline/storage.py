@@ -56,6 +56,17 @@ def is_url(text: str) -> bool:
     return scheme(text) is not None
 
 
+def named_path(text: str) -> str:
+    """What names a record's image, for matching it to annotations and naming files after it: an
+    http(s) URL's path without its query and fragment, percent-decoded (a presigned URL's
+    signature, `%20` for a space); anything else as written (an object-store key may hold `?`)."""
+    if scheme(text) in ("http", "https"):
+        from urllib.parse import unquote, urlsplit
+
+        return unquote(urlsplit(text).path)
+    return text
+
+
 def set_options(pairs: list[str]) -> None:
     """--storage-option KEY=VALUE (VALUE parsed as JSON where it can be: true, 3, "x"), for this
     process and the workers it starts (GPUDET_STORAGE_OPTIONS)."""
@@ -216,13 +227,15 @@ def transient(error: BaseException) -> bool:
                                          "503", "500", "502", "504", "429", "payload"))
 
 
-def classified(error: BaseException) -> Unreadable:
+def classified(error: BaseException, tries: int = 1) -> Unreadable:
+    """Why an object could not be fetched, after `tries` requests for it."""
     status = getattr(error, "status", None) or getattr(error, "code", None)
     if isinstance(error, FileNotFoundError) or status == 404:
         return Unreadable("missing", "no such object; check the URL")
     if isinstance(error, PermissionError) or status in (401, 403):
         return Unreadable("forbidden", f"access refused ({one_line(error, 160)}); check the credentials")
-    return Unreadable("unreadable", f"cannot fetch it after {TRIES} tries: {one_line(error, 200)}")
+    after = f" after {tries} tries" if tries > 1 else ""
+    return Unreadable("unreadable", f"cannot fetch it{after}: {one_line(error, 200)}")
 
 
 READ_BEFORE: dict[int, str] = {}
@@ -389,7 +402,8 @@ def fetch(urls: list[str]) -> dict[str, bytes | Unreadable]:
                 elif value is not None and transient(value) and attempt + 1 < TRIES:
                     again.append(path)
                 else:
-                    results[paths[path]] = classified(value if value is not None else OSError("no reply"))
+                    error = value if value is not None else OSError("no reply")
+                    results[paths[path]] = classified(error, tries=attempt + 1)
             if not again:
                 break
             time.sleep(wait)

@@ -339,3 +339,19 @@ def test_detect_save_drawings_draws_each_image_once_the_run_ends(tmp_path):
     assert run.returncode == 0, run.stderr
     drawn = sorted(p.name for p in (tmp_path / "vis").glob("*.jpg"))
     assert len(drawn) == 6 and drawn[0] == "00000000_astronaut.jpg" and "6 images drawn into" in run.stdout
+
+
+def test_a_web_url_is_matched_and_named_by_its_path_without_its_query(tmp_path):
+    """A record of a presigned (or percent-encoded) web URL matches the annotation file's
+    file_name, and its YOLO label file is named after the image, not after the signature; an
+    object-store key keeps its `?`, which is part of its name there."""
+    from pipeline.export import write_yolo
+
+    match = ImageMatcher([{"id": 7, "file_name": "val/my photo.jpg"}, {"id": 8, "file_name": "a?b.jpg"}])
+    assert match("https://bucket.example.com/data/val/my%20photo.jpg?X-Amz-Signature=abc&X-Amz-Expires=60") == 7
+    assert match("s3://bucket/data/a?b.jpg") == 8
+    assert match("https://example.com/data/a?b.jpg") is None  # on the web, `?b.jpg` is the query
+    record = {"index": 0, "path": "https://h.example.com/val/my%20photo.jpg?sig=1", "width": 10, "height": 10,
+              "detections": []}
+    write_yolo([record], tmp_path / "labels")
+    assert (tmp_path / "labels" / "my photo.txt").is_file()

@@ -721,3 +721,15 @@ def test_objects_fetched_in_processes_of_their_own_are_those_this_process_fetche
         if processes is not None:
             processes.close()
         storage.set_options([])
+
+
+def test_an_unreadable_object_says_how_often_it_was_asked_for(flaky_server, monkeypatch):
+    """A transient failure is tried TRIES times and says so; one that is not worth a second try
+    (refused at once, a malformed request) does not claim tries it never made."""
+    from pipeline import storage
+
+    monkeypatch.setattr(storage, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(Flaky, "fail_every", 1)  # every request for an image: 503
+    (answer,) = storage.fetch([f"{flaky_server}/{IMAGES[0]}"]).values()
+    assert answer.reason == "unreadable" and f"after {storage.TRIES} tries" in str(answer), answer
+    assert str(storage.classified(OSError("bad request"))) == "cannot fetch it: bad request"
