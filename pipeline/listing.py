@@ -188,6 +188,19 @@ def not_images_line(folder: str, skipped: list[Path]) -> str:
             f"{skipped[0]}")
 
 
+def list_lines(data: bytes) -> list[str]:
+    """A file list's entries, by read_list's rules: only the line ending (\\n or \\r\\n) is not
+    part of a line; an empty or whitespace-only line and a line starting with `#` are skipped; a
+    UTF-8 byte-order mark at the start is ignored; bytes that are not UTF-8 are kept
+    (os.fsdecode). A list stored at a URL is read by these rules too (storage.list_lines)."""
+    lines = []
+    for line in data.removeprefix(codecs.BOM_UTF8).split(b"\n"):
+        line = line.removesuffix(b"\r")
+        if line.strip() and not line.startswith(b"#"):
+            lines.append(os.fsdecode(line))
+    return lines
+
+
 def read_list(path: Path, base: Path) -> list[ImageRef]:
     """A file list, one path per line, taken as written: only the line ending (\\n or \\r\\n) is
     not part of it, so spaces at either end belong to the name. A line that is empty or holds
@@ -197,14 +210,8 @@ def read_list(path: Path, base: Path) -> list[ImageRef]:
     record's path gives them back through os.fsencode). A relative path resolves against `base`
     (--root, else the list's folder); a leading ~ is the home folder. A path listed twice is two
     images, at two indexes; how many lines repeat one before is logged as a warning."""
-    data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
     base_text = str(base)
-    refs = []
-    for line in data.split(b"\n"):
-        line = line.removesuffix(b"\r")
-        if not line.strip() or line.startswith(b"#"):
-            continue
-        refs.append(ImageRef(len(refs), resolved(base_text, os.fsdecode(line))))
+    refs = [ImageRef(k, resolved(base_text, line)) for k, line in enumerate(list_lines(path.read_bytes()))]
     repeats = len(refs) - len({ref.path for ref in refs})
     if repeats:
         log.warning("%s: %d %s a path listed before; each line is processed and recorded at its own index "

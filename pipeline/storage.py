@@ -23,7 +23,6 @@ was recorded stays for --resume.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import json
 import os
 import posixpath
@@ -156,19 +155,15 @@ def list_url(source: str, image_extensions: frozenset[str]) -> list[str]:
 
 
 def list_lines(data: bytes, url: str) -> list[str]:
-    """The lines of a file list stored at `url`, read as a local list is (listing.read_list): the
-    line ending is not part of a line, blank lines and lines starting with `#` are skipped, a
-    UTF-8 byte-order mark is ignored, other bytes are taken as they are. A URL line is taken as
-    written; `/x.jpg` resolves against the store's root (the bucket, the host), any other line
+    """The lines of a file list stored at `url`, read by a local list's rules (listing.list_lines).
+    A URL line is taken as written; `/x.jpg` resolves against the store's root (the bucket, the host), any other line
     against the list's folder, `./` and `..` folded."""
+    from .listing import list_lines as entries
+
     root = re.match(r"[^:/]+://[^/]*", url).group(0)
     folder = url[len(root):].rsplit("/", 1)[0]
     urls = []
-    for line in data.removeprefix(codecs.BOM_UTF8).split(b"\n"):
-        line = line.removesuffix(b"\r")
-        if not line.strip() or line.startswith(b"#"):
-            continue
-        text = os.fsdecode(line)
+    for text in entries(data):
         if is_url(text):
             urls.append(text)
             continue
