@@ -2,8 +2,9 @@
 
 Images are matched by file name: a record's path must end with an image's `file_name` (its
 relative path in the annotation file), or, failing that, have the same base name as exactly one
-image. A web URL's path is matched without its query, percent-decoded (storage.named_path). Categories are matched by name (case-insensitive) between the model's labels and the
-annotation file's categories.
+image; a web URL by its path without the query, percent-decoded (storage.named_path). Categories
+are matched by name (case-insensitive) between the model's labels and the annotation file's
+categories.
 """
 
 from __future__ import annotations

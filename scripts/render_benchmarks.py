@@ -393,8 +393,9 @@ def s3_table() -> str:
         ratio = (f"**{s['images_per_s'] / disk['images_per_s']:.2f}x** "
                  f"({disk['seconds']['wall'] / s['seconds']['wall']:.2f}x)") if disk else ""
         commit = s["tree"]["commit"] if "tree" in s else s["code"]["commit"][:7]
-        return (f"| {label} ({commit}) | {k} | {where} | {s['seconds']['wall']:.1f} s | {s['seconds']['startup']:.1f} s | "
-                f"{s['seconds']['setup']:.1f} s | {num(s['images_per_s'])} img/s | {num(s['detections'])} |  {ratio} |")
+        seconds = s["seconds"]
+        return (f"| {label} ({commit}) | {k} | {where} | {seconds['wall']:.1f} s | {seconds['startup']:.1f} s | "
+                f"{seconds['setup']:.1f} s | {num(s['images_per_s'])} img/s | {num(s['detections'])} |  {ratio} |")
 
     for label, folder in S3_RUNS:
         names = sorted(p.stem.removeprefix("detect_coco_s3_").removesuffix("_summary")
@@ -411,8 +412,8 @@ def s3_table() -> str:
     return "\n".join(lines + ["", f"The default `gpudet detect` over {num(s['images'])} distinct COCO-sized JPEGs "
                                "(`make_image_set.py --kind coco`), from the local disk (a file list) and from "
                                "`rclone serve s3` on the same machine serving the same folder (`s3://coco/`, "
-                               "`--storage-option endpoint_url=...`), in turn; the aef1a51 run on an H200, the others on "
-                               f"an H100; 16 cores; {s['started'][:10]}. Command: `scripts/gpu_check.sh s3` "
+                               "`--storage-option endpoint_url=...`), in turn; the aef1a51 run on an H200, the "
+                               f"others on an H100; 16 cores; {s['started'][:10]}. Command: `scripts/gpu_check.sh s3` "
                                "(`S3_SETS=run.storage_processes=0`: the +1 rows)."])
 
 
@@ -448,15 +449,17 @@ COCO_BATCHES = (("32 (the default)", "coco20k/batch32_e19444f"), ("64", "coco20k
 
 
 def batch_table() -> str:
-    lines = ["| `run.batch_size` | gpudet loop img/s (passes) | DALI alone | ORT alone | loop / DALI alone | setup from the command | "
-             "the loop waited on DALI / the postprocess | GPU busy |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| `run.batch_size` | gpudet loop img/s (passes) | DALI alone | ORT alone | loop / DALI alone | "
+             "setup from the command | the loop waited on DALI / the postprocess | GPU busy |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, name in COCO_BATCHES:
         r = load(name)
         rates, stages = r["images_per_s"], r["gpudet_stages_s"]
-        lines.append(f"| {label} | **{num(rates['gpudet'])}** ({', '.join(num(p) for p in r['gpudet_passes_images_per_s'])})"
-                     f" | {num(rates['preprocess'])} | {num(rates['model'])} | **{rates['gpudet'] / rates['preprocess']:.2f}x**"
-                     f" | {r['gpudet_setup_s']['since_start']:.1f} s | {stages['preprocess']:.2f} s / {stages['postprocess']:.2f} s"
-                     f" | {stages['gpu_utilisation_percent']:.0f}% |")
+        passes = ", ".join(num(p) for p in r["gpudet_passes_images_per_s"])
+        lines.append(f"| {label} | **{num(rates['gpudet'])}** ({passes}) | {num(rates['preprocess'])} | "
+                     f"{num(rates['model'])} | **{rates['gpudet'] / rates['preprocess']:.2f}x** | "
+                     f"{r['gpudet_setup_s']['since_start']:.1f} s | {stages['preprocess']:.2f} s / "
+                     f"{stages['postprocess']:.2f} s | {stages['gpu_utilisation_percent']:.0f}% |")
     r = load(COCO_BATCHES[0][1])
     return "\n".join(lines + ["", f"The default config over {num(r['images'])} distinct COCO-sized JPEGs, one after "
                                f"the other in one session; {r['machine']['gpus'][0]}, tree {r['tree']['commit']}, "
