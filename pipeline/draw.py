@@ -11,10 +11,11 @@ leave the image at the top is drawn inside its box.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,13 +31,14 @@ FORMATS = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
 
 
 def draw_detections(record: dict, image=None, *, min_score: float = 0.0) -> Image.Image:
-    """A record of detections.jsonl (or ImageResult.to_dict()) drawn onto `image`: a path, a PIL
-    image or uint8 RGB pixels [H, W, 3]; default the file at the record's path, in display
-    orientation (EXIF applied), as the boxes are."""
-    if image is None or isinstance(image, (str, Path)):
-        where = os.fspath(image or record["path"])
-        opened = Image.open(io.BytesIO(storage.read_url(where)) if storage.is_url(where) else where)
-        image = ImageOps.exif_transpose(opened)
+    """A record of detections.jsonl (or ImageResult.to_dict()) drawn onto `image`: a path or URL,
+    an encoded file's bytes, a PIL image or uint8 RGB pixels [H, W, 3]; default the file at the
+    record's path, in display orientation (EXIF applied), as the boxes are."""
+    if image is None or isinstance(image, (str, Path, bytes)):
+        where = image if isinstance(image, bytes) else os.fspath(image or record["path"])
+        if isinstance(where, str) and storage.is_url(where):
+            where = storage.read_url(where)
+        image = ImageOps.exif_transpose(Image.open(io.BytesIO(where) if isinstance(where, bytes) else where))
     elif isinstance(image, np.ndarray):
         image = Image.fromarray(image)
     image = image.convert("RGB")
@@ -78,24 +80,41 @@ def draw_records(records: Iterable[dict], out_dir: str | Path, *, root: str | Pa
     ours = (out / DRAWINGS_MARKER).is_file()
     (out / DRAWINGS_MARKER).touch()  # a folder source that holds this folder leaves the drawings out
     written, skipped = [], []
-    for k, record in enumerate(records):
-        if limit is not None and k >= limit:
-            break
+    for record, fetched in with_fetched(itertools.islice(records, limit)):
         source = record["path"] if storage.is_url(record["path"]) else Path(record["path"])
         if root is not None and isinstance(source, Path) and not source.is_absolute():
             source = Path(root) / source
         try:
-            image = draw_detections(record, source, min_score=min_score)
+            if isinstance(fetched, storage.Unreadable):
+                raise fetched
+            image = draw_detections(record, source if fetched is None else fetched, min_score=min_score)
         except (OSError, ValueError) as e:  # gone since the run, unreadable, no longer an image
             skipped.append(f"{source}: {e.strerror if isinstance(e, OSError) and e.strerror else e}")
             continue
-        path = out / f"{int(record['index']):08d}_{safe_stem(Path(source))}.{image_format}"
+        name = Path(storage.named_path(source) if isinstance(source, str) else source)
+        path = out / f"{int(record['index']):08d}_{safe_stem(name)}.{image_format}"
         if path.is_symlink() or (os.path.lexists(path) and not ours):
             raise OutputError(f"{path} is there already, and not a drawing gpudet made; gpudet never replaces a file "
                               "it did not write: give --out a new or empty folder, or one gpudet draw wrote")
         image.save(path, FORMATS[image_format], **({"quality": 90} if image_format != "png" else {}))
         written.append(path)
     return written, skipped
+
+
+FETCHED_AT_ONCE = 32
+"""URL records whose images draw_records fetches at once (storage.fetch: concurrently, with retries)."""
+
+
+def with_fetched(records: Iterable[dict]) -> Iterator[tuple[dict, bytes | storage.Unreadable | None]]:
+    """Each record with its image's bytes where its path is a URL (None where it is a file), the
+    URLs of FETCHED_AT_ONCE records fetched at once: a store that answers slowly, or not at all,
+    costs one wait per chunk, not one per image (and a store that serves none is one SourceError)."""
+    records = iter(records)
+    while chunk := list(itertools.islice(records, FETCHED_AT_ONCE)):
+        urls = [r["path"] for r in chunk if storage.is_url(r["path"])]
+        fetched = storage.fetch(urls) if urls else {}
+        for record in chunk:
+            yield record, fetched.get(record["path"])
 
 
 def recorded_root(detections: str | Path) -> str | None:

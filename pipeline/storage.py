@@ -100,12 +100,21 @@ def filesystem(protocol: str, settings: str):
         # gcsfs asks Google's control plane for each bucket's layout: where there is none (an
         # emulator, another endpoint) each try waits 60 s, and a failed one is tried again
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    kwargs = json.loads(settings)
+    if protocol == "s3":  # one request a try: fetch tries again itself, with backoff (botocore's retries
+        # and s3fs's under it made an unreachable endpoint cost a minute before the run could stop)
+        config = kwargs.setdefault("config_kwargs", {})
+        if isinstance(config, dict):
+            config.setdefault("retries", {"max_attempts": 1})
     try:
-        return fsspec.filesystem(protocol, **json.loads(settings))
+        fs = fsspec.filesystem(protocol, **kwargs)
     except ImportError:
         raise SourceError(f"{protocol}:// URLs need {SCHEMES[protocol]}") from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"--storage-option: the {protocol} filesystem does not take these options ({e})") from None
+    if protocol == "s3":
+        fs.retries = 1
+    return fs
 
 
 def fs_of(url: str):

@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -733,3 +734,34 @@ def test_an_unreadable_object_says_how_often_it_was_asked_for(flaky_server, monk
     (answer,) = storage.fetch([f"{flaky_server}/{IMAGES[0]}"]).values()
     assert answer.reason == "unreadable" and f"after {storage.TRIES} tries" in str(answer), answer
     assert str(storage.classified(OSError("bad request"))) == "cannot fetch it: bad request"
+
+
+def test_an_unreachable_endpoint_stops_a_run_in_seconds(tmp_path):
+    """Nothing listens at the endpoint: the run stops with one line and exit 2 after gpudet's own
+    tries, not after botocore's and s3fs's retries under each of them (a minute)."""
+    listing = tmp_path / "urls.txt"
+    listing.write_text("".join(f"s3://photos/set/{k}.jpg\n" for k in range(12)))
+    start = time.monotonic()
+    run = gpudet("detect", listing, "--out", tmp_path / "o", "--device", "cpu",
+                 "--storage-option", f"endpoint_url=http://127.0.0.1:{free_port()}",
+                 env={**os.environ, **CREDENTIALS})
+    assert run.returncode == 2 and "served none of the objects" in run.stderr, run.stderr
+    assert time.monotonic() - start < 40, time.monotonic() - start
+
+
+def test_draw_fetches_a_chunk_of_url_records_at_once(flaky_server, tmp_path, monkeypatch):
+    """gpudet draw over URL records asks the store for FETCHED_AT_ONCE images at once (a slow or
+    dead store costs one wait per chunk, not one per image), and names each drawing after the
+    image, not the URL's query."""
+    from pipeline import draw, storage
+
+    monkeypatch.setattr(Flaky, "fail_every", 10 ** 6)
+    monkeypatch.setattr(draw, "FETCHED_AT_ONCE", 4)
+    calls = []
+    fetch = storage.fetch
+    monkeypatch.setattr(storage, "fetch", lambda urls: (calls.append(len(urls)), fetch(urls))[1])
+    records = [{"index": k, "path": f"{flaky_server}/{name}?sig={k}", "detections": []}
+               for k, name in enumerate(IMAGES)]
+    written, skipped = draw.draw_records(records, tmp_path / "drawn")
+    assert calls == [4, 2] and not skipped
+    assert sorted(p.name for p in written) == sorted(f"{k:08d}_{Path(name).stem}.jpg" for k, name in enumerate(IMAGES))
