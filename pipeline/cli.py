@@ -527,6 +527,35 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level, args.log_json, args.quiet)
     commands = {"detect": cmd_detect, "export": cmd_export, "export-coco": cmd_export_coco, "eval": cmd_eval, "draw": cmd_draw,
                 "inspect": cmd_inspect, "bench": cmd_bench}
-    code = guarded(lambda: commands[args.command](args))
+    code = guarded(lambda: commands[args.command](with_records_here(args)))
     return end_command(code, exit_process=argv is None)  # argv None: this process is the command
+
+
+def with_records_here(args: argparse.Namespace) -> argparse.Namespace:
+    """For a command that reads records (draw, eval, export, export-coco) given the object-store
+    prefix a `detect --out s3://...` wrote: the prefix's run copied into its local mirror
+    (mirror.py, as --resume reads it), which the command then reads."""
+    detections = getattr(args, "detections", None)
+    if args.command == "detect" or not isinstance(detections, str):
+        return args
+    from .storage import is_url, scheme
+
+    if not is_url(detections):
+        return args
+    if scheme(detections) in ("http", "https"):
+        raise ConfigError(f"{detections}: records are read from a local output folder or from the s3://, gs:// or "
+                          "az:// prefix gpudet detect --out wrote; download that folder first")
+    from .mirror import Mirror
+
+    mirror = Mirror(detections)
+    try:
+        mirror.pull()
+    finally:
+        mirror.release()
+    if not (mirror.local / "summary.json").is_file() and not any(mirror.local.glob("detections.*")):
+        raise ConfigError(f"{detections} holds no run of gpudet detect (no summary.json, no detections.parquet); "
+                          "give the prefix that detect --out wrote")
+    log.info("%s: its records read from the copy in %s", detections, mirror.local)
+    args.detections = str(mirror.local)
+    return args
 

@@ -765,3 +765,22 @@ def test_draw_fetches_a_chunk_of_url_records_at_once(flaky_server, tmp_path, mon
     written, skipped = draw.draw_records(records, tmp_path / "drawn")
     assert calls == [4, 2] and not skipped
     assert sorted(p.name for p in written) == sorted(f"{k:08d}_{Path(name).stem}.jpg" for k, name in enumerate(IMAGES))
+
+
+def test_draw_and_export_read_the_records_at_an_s3_prefix(s3, tmp_path):
+    """The prefix a `detect --out s3://...` wrote is what draw and export take, as they take a local
+    output folder: its run copied into the local mirror first, the drawings made from the S3
+    images the records name; a prefix with no run is one line, exit 2."""
+    env = {**os.environ, **CREDENTIALS, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    common = ["--storage-option", f"endpoint_url={s3}"]
+    run = gpudet("detect", "s3://photos/set/", "--out", "s3://photos/drawn-run", "--device", "cpu", *common, env=env)
+    assert run.returncode == 0, run.stderr
+    env["XDG_CACHE_HOME"] = str(tmp_path / "another-machine")  # nothing of the run in this cache
+    drawn = gpudet("draw", "s3://photos/drawn-run", "--out", tmp_path / "drawn", *common, env=env)
+    assert drawn.returncode == 0, drawn.stderr
+    assert len(list((tmp_path / "drawn").glob("*.jpg"))) == len(IMAGES)
+    exported = gpudet("export", "s3://photos/drawn-run/", "--format", "csv", "--out", tmp_path / "d.csv", *common,
+                      env=env)
+    assert exported.returncode == 0 and (tmp_path / "d.csv").read_text().count("s3://photos/set/") >= len(IMAGES)
+    none = gpudet("draw", "s3://photos/nothing-here", "--out", tmp_path / "none", *common, env=env)
+    one_clear_line(none, 2, "s3://photos/nothing-here", "holds no run")
