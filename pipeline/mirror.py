@@ -120,6 +120,10 @@ class Mirror:
         self._hold()
         try:
             remote = self._remote_names()
+            bucket = self.path.split("/", 1)[0]
+            if not remote and not self.fs.exists(bucket):  # found now, not by the first upload
+                raise OutputError(f"--out {self.url}: the bucket {bucket} does not exist, or these credentials "
+                                  "cannot see it; create it, or check the endpoint and the credentials")
             self.local.mkdir(parents=True, exist_ok=True)
             synced = self._last_synced()
             kept = {k: v for k, v in remote.items() if k != layout.SUMMARY}

@@ -784,3 +784,13 @@ def test_draw_and_export_read_the_records_at_an_s3_prefix(s3, tmp_path):
     assert exported.returncode == 0 and (tmp_path / "d.csv").read_text().count("s3://photos/set/") >= len(IMAGES)
     none = gpudet("draw", "s3://photos/nothing-here", "--out", tmp_path / "none", *common, env=env)
     one_clear_line(none, 2, "s3://photos/nothing-here", "holds no run")
+
+
+def test_an_out_prefix_in_a_bucket_that_does_not_exist_is_refused_before_the_run(s3, tmp_path):
+    """--out s3://no-such-bucket/results: one line naming the bucket, exit 2, before any image is
+    processed (the first upload at the end was where it failed)."""
+    run = gpudet("detect", "s3://photos/set/", "--out", "s3://no-such-bucket/results", "--device", "cpu",
+                 "--storage-option", f"endpoint_url={s3}",
+                 env={**os.environ, **CREDENTIALS, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    one_clear_line(run, 2, "no-such-bucket", "does not exist")
+    assert "images" not in run.stdout
