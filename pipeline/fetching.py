@@ -20,6 +20,7 @@ process's own storage.fetch.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import pickle
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
+import numpy as np
 
 from . import storage
 from .errors import GpudetError, one_line
@@ -47,8 +48,16 @@ class FetchProcesses:
     def __init__(self, processes: int, threads: int):
         self._lock = threading.Lock()
         self._keys = itertools.count()
-        self._children: list[_Child] = [_Child(threads) for _ in range(processes)]
+        self._children: list[_Child] = []
         self.broken = self.closed = False
+        try:
+            for _ in range(processes):
+                self._children.append(_Child(threads))
+        except (OSError, ValueError) as e:  # no process to start (limits, memory, no interpreter path)
+            self.close()
+            self.closed = False
+            self.broken = True
+            log.warning("cannot start a process to fetch objects (%s); fetching them in this one", one_line(e, 200))
 
     def fetch(self, urls: list[str]) -> dict[str, bytes | storage.Unreadable]:
         if not self.broken:
@@ -69,7 +78,8 @@ class FetchProcesses:
         return storage.fetch(urls)
 
     def close(self) -> None:
-        """Let the processes go: each ends once its socket closes (batches in flight are dropped)."""
+        """Let the processes go: each ends once its socket closes (batches in flight are dropped),
+        and is waited for on a thread of its own, so that none is left a zombie."""
         self.closed = True
         for child in self._children:
             child.close()
@@ -79,23 +89,30 @@ class _Child:
     """One fetching process, the socket to it and the batches it has not answered yet."""
 
     def __init__(self, threads: int):
+        if not sys.executable:
+            raise ValueError("this interpreter does not know its own path (sys.executable)")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        package = Path(__file__).resolve().parent
-        code = (f"import sys; sys.path.insert(0, {str(package.parent)!r}); from {__package__}.fetching import serve; "
+        # -P: not the working folder first on the path; then exactly this process's path, so that
+        # the process imports this gpudet and these back-ends, whether a checkout, a wheel or a notebook's
+        code = (f"import json, sys; sys.path[:] = json.loads(sys.argv[1]); from {__package__}.fetching import serve; "
                 f"serve({theirs.fileno()}, {threads}, {os.getpid()})")
-        self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),),
-                                        stdin=subprocess.DEVNULL)
-        theirs.close()
+        try:
+            self.process = subprocess.Popen([sys.executable, "-P", "-c", code, json.dumps(sys.path)],
+                                            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
         self.socket = ours
         self.pending: dict[int, Future] = {}
         self.pending_lock = threading.Lock()
+        self.answering = True
+        """False once the reader has stopped: a batch asked for then is GONE at once."""
         self.reader = threading.Thread(target=self._read, name="gpudet-fetch-answers", daemon=True)
         self.reader.start()
 
     def ask(self, key: int, urls: list[str]) -> Future:
         future = Future()
         with self.pending_lock:
-            if not self.reader.is_alive():
+            if not self.answering:
                 future.set_result((None, GONE))
                 return future
             self.pending[key] = future
@@ -122,8 +139,11 @@ class _Child:
                 future.set_result((result, failure) if failure is None else (None, failure))
         except (EOFError, OSError):
             pass
+        except Exception as e:  # noqa: BLE001 - an answer it cannot read: the batches go to this process
+            log.debug("a fetching process's answer could not be read: %s", e)
         finally:
             with self.pending_lock:
+                self.answering = False
                 pending, self.pending = self.pending, {}
                 for future in pending.values():
                     future.set_result((None, GONE))
@@ -137,6 +157,17 @@ class _Child:
             self.socket.shutdown(socket.SHUT_RDWR)  # the process ends; the reader wakes
         except OSError:
             pass
+        threading.Thread(target=self._reap, name="gpudet-fetch-reap", daemon=True).start()
+
+    def _reap(self) -> None:
+        """The process waited for (killed if it has not ended in a few seconds), the socket closed."""
+        self.reader.join()
+        self.socket.close()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 FRAME = struct.Struct("<QQ")
@@ -157,7 +188,7 @@ def receive(sock: socket.socket) -> tuple[bytes, memoryview]:
 
 
 def exactly(sock: socket.socket, size: int) -> memoryview:
-    buffer = memoryview(bytearray(size))
+    buffer = memoryview(np.empty(size, np.uint8))  # not zero-filled first, with the GIL held
     got = 0
     while got < size:
         n = sock.recv_into(buffer[got:], size - got, socket.MSG_WAITALL)
@@ -179,22 +210,23 @@ def serve(fd: int, threads: int, parent: int) -> None:
     sending = threading.Lock()
 
     def answer(key: int, urls: list[str]) -> None:
-        sizes, errors, data, failure = [], {}, [], None
         try:
+            sizes, errors, data = [], {}, []
             for url, value in storage.fetch(urls).items():
                 if isinstance(value, storage.Unreadable):
                     errors[url] = value
                 else:
                     sizes.append((url, len(value)))
                     data.append(value)
+            head, body = pickle.dumps((key, sizes, errors, None)), b"".join(data)
         except GpudetError as e:  # CredentialsRefused, SourceError: raised in the parent
-            sizes, errors, data, failure = [], {}, [], e
-        except Exception as e:  # noqa: BLE001 - said in the parent, in one line
-            sizes, errors, data = [], {}, []
-            failure = RuntimeError(f"fetching {len(urls)} objects: {one_line(e, 300)}")
+            head, body = pickle.dumps((key, [], {}, e)), b""
+        except BaseException as e:  # noqa: BLE001 - every batch is answered: said in the parent, in one line
+            failure = RuntimeError(f"fetching {len(urls)} objects: {type(e).__name__}: {one_line(e, 300)}")
+            head, body = pickle.dumps((key, [], {}, failure)), b""
         with sending:
             try:
-                send(sock, pickle.dumps((key, sizes, errors, failure)), b"".join(data))
+                send(sock, head, body)
             except OSError:  # the parent is gone
                 os._exit(0)
 

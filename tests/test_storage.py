@@ -5,6 +5,7 @@ import http.server
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -718,6 +719,13 @@ def test_objects_fetched_in_processes_of_their_own_are_those_this_process_fetche
         killed.kill()
         killed.wait()
         assert [plain(processes.fetch(urls)) for _ in range(4)] == [truth] * 4 and processes.broken
+        processes.close()
+        for child in processes._children:  # each waited for: no zombie left behind
+            child.reader.join(timeout=10)
+            assert child.process.wait(timeout=10) is not None
+        monkeypatch.setattr(sys, "executable", "")  # no process can start: this one fetches
+        processes = FetchProcesses(2, 2)
+        assert processes.broken and plain(processes.fetch(urls)) == truth
     finally:
         if processes is not None:
             processes.close()
