@@ -346,3 +346,19 @@ decoder extensions' ("Code stream size is not big enough.", from nvbmp)."""
 def decoder_level(line: str) -> int:
     """Debug for what image decoders print about a bad file, a warning for anything else."""
     return logging.DEBUG if DECODER_NOISE.search(line) else logging.WARNING
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with(parent: int) -> None:
+    """End this process (SIGKILL) when its parent dies, as Linux's PR_SET_PDEATHSIG does; at once if
+    the parent is already gone. A --devices worker so never outlives a parent killed with -9: what
+    it wrote is whole lines (a torn last one is cut by --resume), and the folder's lock, which it
+    holds too (InheritedFd), ends with it; nor does a process fetching objects (fetching.py)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent ended before the call above
+        os._exit(EXIT_INTERRUPTED)

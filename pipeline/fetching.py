@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from . import storage
-from .errors import GpudetError, one_line
+from .errors import GpudetError, die_with, one_line
 
 log = logging.getLogger("gpudet")
 
@@ -202,8 +202,6 @@ def serve(fd: int, threads: int, parent: int) -> None:
     """A fetching process's loop: each batch that comes in, fetched on one of `threads` threads,
     its answer sent back: a head (key, [(url, size)], {url: Unreadable}, error) and the fetched
     bytes one after another. Ends when the parent closes the socket or dies."""
-    from .parallel import die_with
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
     die_with(parent)
     sock = socket.socket(fileno=fd)

@@ -17,6 +17,7 @@ from pathlib import Path
 from . import layout, storage
 from .errors import SourceError
 from .imagefile import sniff_format
+from .lines import list_lines
 from .results import ImageRef
 
 log = logging.getLogger("gpudet")
@@ -186,19 +187,6 @@ def not_images_line(folder: str, skipped: list[Path]) -> str:
     return (f"folder {folder}: {len(skipped)} file{'s' if many else ''} that {'are no images' if many else 'is no image'} "
             f"of a format gpudet reads ({shown}; by their first bytes) {'are' if many else 'is'} skipped, e.g. "
             f"{skipped[0]}")
-
-
-def list_lines(data: bytes) -> list[str]:
-    """A file list's entries, by read_list's rules: only the line ending (\\n or \\r\\n) is not
-    part of a line; an empty or whitespace-only line and a line starting with `#` are skipped; a
-    UTF-8 byte-order mark at the start is ignored; bytes that are not UTF-8 are kept
-    (os.fsdecode). A list stored at a URL is read by these rules too (storage.list_lines)."""
-    lines = []
-    for line in data.removeprefix(codecs.BOM_UTF8).split(b"\n"):
-        line = line.removesuffix(b"\r")
-        if line.strip() and not line.startswith(b"#"):
-            lines.append(os.fsdecode(line))
-    return lines
 
 
 def read_list(path: Path, base: Path) -> list[ImageRef]:

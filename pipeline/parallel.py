@@ -40,7 +40,8 @@ from typing import Any
 
 from .config import Config
 from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, STOP_SIGNALS, DeviceError, \
-    DroppingWrites, OutputError, ensure_standard_streams, guarded, logging_settings, setup_logging, signals_held
+    DroppingWrites, OutputError, die_with, ensure_standard_streams, guarded, logging_settings, setup_logging, \
+    signals_held
 from .folder import OutputFolder, Tally, recorded, result_paths
 from .job import Outcome, RunOptions
 from .layout import SHARDS
@@ -93,21 +94,6 @@ class InheritedFd:
             raise TypeError("InheritedFd travels only to a process being spawned")
         return InheritedFd, (popen.duplicate_for_child(self.fd),)
 
-
-PR_SET_PDEATHSIG = 1
-
-
-def die_with(parent: int) -> None:
-    """End this process (SIGKILL) when its parent dies, as Linux's PR_SET_PDEATHSIG does; at once if
-    the parent is already gone. A --devices worker so never outlives a parent killed with -9: what
-    it wrote is whole lines (a torn last one is cut by --resume), and the folder's lock, which it
-    holds too (InheritedFd), ends with it."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the parent ended before the call above
-        os._exit(EXIT_INTERRUPTED)
 
 
 def _worker(todo: list[ImageRef], shard: str, config: Config, output_format: str, source: str, images: int,

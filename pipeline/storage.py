@@ -31,6 +31,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from functools import lru_cache
 
+from . import lines
 from .errors import ConfigError, CredentialsRefused, SourceError, one_line
 
 SCHEMES = {"s3": "s3fs and obstore (pip install 'gpudet[s3]')", "gs": "gcsfs (pip install 'gpudet[gcs]')",
@@ -164,15 +165,13 @@ def list_url(source: str, image_extensions: frozenset[str]) -> list[str]:
 
 
 def list_lines(data: bytes, url: str) -> list[str]:
-    """The lines of a file list stored at `url`, read by a local list's rules (listing.list_lines).
+    """The lines of a file list stored at `url`, read by a local list's rules (lines.list_lines).
     A URL line is taken as written; `/x.jpg` resolves against the store's root (the bucket, the host), any other line
     against the list's folder, `./` and `..` folded."""
-    from .listing import list_lines as entries
-
     root = re.match(r"[^:/]+://[^/]*", url).group(0)
     folder = url[len(root):].rsplit("/", 1)[0]
     urls = []
-    for text in entries(data):
+    for text in lines.list_lines(data):
         if is_url(text):
             urls.append(text)
             continue
