@@ -545,6 +545,7 @@ def with_records_here(args: argparse.Namespace) -> argparse.Namespace:
     if scheme(detections) in ("http", "https"):
         raise ConfigError(f"{detections}: records are read from a local output folder or from the s3://, gs:// or "
                           "az:// prefix gpudet detect --out wrote; download that folder first")
+    from . import layout
     from .mirror import Mirror
 
     mirror = Mirror(detections)
@@ -552,7 +553,7 @@ def with_records_here(args: argparse.Namespace) -> argparse.Namespace:
         mirror.pull()
     finally:
         mirror.release()
-    if not (mirror.local / "summary.json").is_file() and not any(mirror.local.glob("detections.*")):
+    if not any((mirror.local / name).exists() for name in (layout.SUMMARY, *layout.DETECTIONS.values())):
         raise ConfigError(f"{detections} holds no run of gpudet detect (no summary.json, no detections.parquet); "
                           "give the prefix that detect --out wrote")
     log.info("%s: its records read from the copy in %s", detections, mirror.local)

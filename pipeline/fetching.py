@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+
 import numpy as np
 
 from . import storage
@@ -54,8 +55,8 @@ class FetchProcesses:
             for _ in range(processes):
                 self._children.append(_Child(threads))
         except (OSError, ValueError) as e:  # no process to start (limits, memory, no interpreter path)
-            self.close()
-            self.closed = False
+            for child in self._children:  # those started are let go
+                child.close()
             self.broken = True
             log.warning("cannot start a process to fetch objects (%s); fetching them in this one", one_line(e, 200))
 
@@ -99,6 +100,9 @@ class _Child:
         try:
             self.process = subprocess.Popen([sys.executable, "-P", "-c", code, json.dumps(sys.path)],
                                             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         self.socket = ours

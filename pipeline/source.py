@@ -465,9 +465,10 @@ def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_thr
     step = -(-batch_size // max(1, num_threads))
     pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="gpudet-read")
     decoders = ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="gpudet-decode") if scaled else None
-    most_ahead = max(lookahead, -(-remote_requests // batch_size))
-    # a batch's requests a thread: about remote_requests in flight (threads start as needed)
-    fetchers = ThreadPoolExecutor(max_workers=-(-remote_requests // batch_size), thread_name_prefix="gpudet-fetch")
+    remote_batches = -(-remote_requests // batch_size)  # batches of URLs in flight: about remote_requests requests
+    most_ahead = max(lookahead, remote_batches)
+    # a batch's requests a thread (threads start as needed)
+    fetchers = ThreadPoolExecutor(max_workers=remote_batches, thread_name_prefix="gpudet-fetch")
     processes = None
     count = objects = object_bytes = 0
     try:
@@ -479,8 +480,8 @@ def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_thr
                 if remote_processes and processes is None:
                     from .fetching import FetchProcesses
 
-                    batches = -(-remote_requests // batch_size)
-                    processes = FetchProcesses(min(remote_processes, batches), -(-batches // remote_processes))
+                    processes = FetchProcesses(min(remote_processes, remote_batches),
+                                               -(-remote_batches // remote_processes))
                 fetch = processes.fetch if processes else None
                 return [fetchers.submit(read_all, chunk, max_pixels, max_bytes, here, decoders, fetch)], True
             return [pool.submit(read_all, chunk[i:i + step], max_pixels, max_bytes, here, decoders)

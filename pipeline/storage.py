@@ -97,11 +97,11 @@ def filesystem(protocol: str, settings: str):
     """The fsspec filesystem of a scheme with these options (JSON), made once per process."""
     import fsspec
 
-    if protocol == "gs" and "endpoint_url" in json.loads(settings):
+    kwargs = json.loads(settings)
+    if protocol == "gs" and "endpoint_url" in kwargs:
         # gcsfs asks Google's control plane for each bucket's layout: where there is none (an
         # emulator, another endpoint) each try waits 60 s, and a failed one is tried again
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-    kwargs = json.loads(settings)
     if protocol == "s3":  # one request a try: fetch tries again itself, with backoff (botocore's retries
         # and s3fs's under it made an unreachable endpoint cost a minute before the run could stop)
         config = kwargs.setdefault("config_kwargs", {})
@@ -166,8 +166,8 @@ def list_url(source: str, image_extensions: frozenset[str]) -> list[str]:
 
 def list_lines(data: bytes, url: str) -> list[str]:
     """The lines of a file list stored at `url`, read by a local list's rules (lines.list_lines).
-    A URL line is taken as written; `/x.jpg` resolves against the store's root (the bucket, the host), any other line
-    against the list's folder, `./` and `..` folded."""
+    A URL line is taken as written; `/x.jpg` resolves against the store's root (the bucket, the
+    host), any other line against the list's folder, `./` and `..` folded."""
     root = re.match(r"[^:/]+://[^/]*", url).group(0)
     folder = url[len(root):].rsplit("/", 1)[0]
     urls = []
