@@ -39,6 +39,9 @@ from .timing import StageClock
 
 log = logging.getLogger("gpudet")
 
+POSTPROCESS_PRIORITY = -1
+"""The postprocess stream's priority (lower is higher; the engine's and DALI's streams have 0)."""
+
 
 class Detector:
     """One model on one device, ready to run: build it once, stream any number of sources.
@@ -75,6 +78,8 @@ class Detector:
         self.batch_size = preprocessor.batch_size
         self.overlap = self.device.is_cuda
         """Engine and postprocess on threads of their own (GPU); on the CPU they run inline."""
+        self._post_stream = torch.cuda.Stream(self.device.torch, priority=POSTPROCESS_PRIORITY) \
+            if self.device.is_cuda else None
         self._streaming = False
         self._preprocessors = {preprocessor.source: preprocessor}
         self._captured: list[Thresholds] = []
@@ -293,6 +298,10 @@ class Detector:
             except BadModelOutput as e:
                 on_error([bad_output(ref, str(e)) for ref in batch.refs])
                 return
+        if isinstance(found, DeviceDetections) and self._post_stream is not None:  # made on the postprocess's stream: the caller's
+            caller = torch.cuda.current_stream(self.device.torch)  # stream waits for them, and holds their memory
+            caller.wait_stream(self._post_stream)
+            found.record_stream(caller)
         bad = found.bad_images()
         if bad:
             on_error([bad_output(batch.refs[i], "the model's boxes, scores or landmarks for this image hold NaN or "
@@ -308,8 +317,17 @@ class Detector:
         if not self.overlap:
             yield Inline(), Inline()
             return
-        with ThreadPoolExecutor(1, thread_name_prefix="gpudet-postprocess") as post:
+        with ThreadPoolExecutor(1, thread_name_prefix="gpudet-postprocess", initializer=self._on_post_stream) as post:
             yield self.engine, post
+
+    def _on_post_stream(self) -> None:
+        """The postprocess thread's CUDA work goes on a stream of its own at a higher priority than
+        the model's: its few hundred short kernels a batch run between the next batch's model
+        kernels as soon as an SM is free, instead of queueing behind them (the next engine run
+        waits for this one's reads of its buffers), and it waits for no stream but the engine's."""
+        if self._post_stream is not None:
+            torch.cuda.set_device(self.device.torch)
+            torch.cuda.set_stream(self._post_stream)
 
     def _warm_up(self) -> None:
         """Run the model once at setup (cuDNN's algorithm search happens here, not on batch 1); on

@@ -152,7 +152,7 @@ class Engine:
     def _graph_input(self, images, slot: int) -> torch.Tensor:
         """The batch copied into the slot's own input buffer, on ORT's stream: the model's kernels
         follow it there, with no host wait (and it does not wait for the postprocess of the other
-        slot, on torch's default stream)."""
+        slot, on a stream of its own)."""
         with torch.cuda.stream(self.stream):
             source = torch.from_dlpack(images)  # names this stream as the reader (module docstring)
             if slot not in self._graph_inputs:

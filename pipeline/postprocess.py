@@ -81,6 +81,13 @@ class DeviceDetections:
                                 scores=self.scores[mask], labels=self.labels[mask],
                                 landmarks=None if self.landmarks is None else self.landmarks[mask])
 
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Tell the allocator that `stream` uses these tensors (they were made on another): their
+        memory is not reused before the work queued there by the time they are freed is done."""
+        for tensor in (self.batch_index, self.boxes_xyxy, self.scores, self.labels, self.landmarks):
+            if tensor is not None:
+                tensor.record_stream(stream)
+
     def bad_images(self) -> list[int]:
         """As Detections.bad_images (one host sync)."""
         finite = torch.isfinite(self.boxes_xyxy).all(dim=1) & torch.isfinite(self.scores)

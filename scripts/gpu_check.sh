@@ -14,7 +14,8 @@
 #   OUT=DIR YOLO_MODELS="a.onnx b.onnx" bash scripts/gpu_check.sh yolo  # YOLO exports: bench beside ORT alone
 #   OUT=DIR bash scripts/gpu_check.sh profile     # scripts/profile_loop.py over COCO-sized JPEGs (its trace in /tmp)
 #   OUT=DIR RCLONE=BIN bash scripts/gpu_check.sh s3  # detect over the COCO-sized set: local disk, then an S3 server here
-#     (S3_SETS="KEY=VALUE ...": one more S3 run with each; RCLONE_FLAGS: the server's options)
+#     (S3_SETS="KEY=VALUE[,KEY=VALUE] ...": one more S3 run with each; RCLONE_FLAGS: the server's options;
+#     READER_SHAPES="PROCESSES:REQUESTS ...": gpudet's reader alone against the server)
 #
 # The GPU machine returns a few files per command: `tar czf "$OUT.tgz" -C "$OUT" .` after a mode keeps them all.
 #
@@ -208,6 +209,10 @@ case "${1:-}" in
       # shellcheck disable=SC2086
       $PY "$ROOT/scripts/s3_rate.py" http://127.0.0.1:9123 $shape 10000 | tee -a "$OUT/s3_rate.txt"
     done
+    for shape in ${READER_SHAPES:-2:128 2:512 4:512 0:128}; do  # gpudet's reader alone: PROCESSES:REQUESTS
+      # shellcheck disable=SC2086
+      $PY "$ROOT/scripts/s3_rate.py" http://127.0.0.1:9123 ${shape/:/ } 20000 --reader | tee -a "$OUT/s3_rate.txt"
+    done
     served() { echo "$1: the S3 server's CPU so far: $(ps -o cputime= -p $server)" | tee -a "$OUT/server_cpu.txt"; }
     for round in $(seq "${ROUNDS:-2}"); do
       timed_detect "coco_disk_$round" now "$IMAGES/coco/list.txt"
@@ -215,9 +220,10 @@ case "${1:-}" in
       timed_detect "coco_s3_$round" now s3://coco/ --storage-option endpoint_url=http://127.0.0.1:9123
       served "coco_s3_$round"
     done
-    for spec in ${S3_SETS:-}; do  # KEY=VALUE ...: one more S3 run with each
+    for spec in ${S3_SETS:-}; do  # KEY=VALUE[,KEY=VALUE] ...: one more S3 run with each
+      # shellcheck disable=SC2046 - one --set per KEY=VALUE
       timed_detect "coco_s3_$(echo "$spec" | tr -c '[:alnum:]_\n' '_')" now s3://coco/ \
-        --storage-option endpoint_url=http://127.0.0.1:9123 --set "$spec"
+        --storage-option endpoint_url=http://127.0.0.1:9123 $(echo "$spec" | tr ',' '\n' | sed 's/^/--set /')
       served "$spec"
     done
     ;;
