@@ -1,5 +1,5 @@
-"""Two Triton kernels for the heads postprocess on a GPU, each in place of a few torch ops whose
-memory traffic it avoids, with the same answer (tests/test_kernels.py):
+"""Three Triton kernels for the heads postprocess on a GPU, each in place of a few torch ops whose
+memory traffic or launches it avoids, with the same answer (tests/test_kernels.py):
 
     row_max(x)              x.amax(dim=-1). RetinaNet's best class per anchor: a reduction over
                             91 float16 values per row, an odd, unaligned row that torch's reduction
@@ -8,6 +8,11 @@ memory traffic it avoids, with the same answer (tests/test_kernels.py):
                             64 to an int64 word in registers, instead of some twenty passes over
                             [B, K, K] float32 temporaries. None where it cannot run: nms has the
                             torch ops (nms.suppressor_rows).
+    fixed_point(...)        nms.fixed_point's steps without a host check: a step is one kernel,
+                            a program for each 64 rows of an image, which ANDs them with the kept
+                            words, ORs each row, and packs the 64 answers into the next kept
+                            word, in place of five torch kernels (the int64 AND and any() over a
+                            row of 16 words took most of a YOLO11n batch's postprocess).
 
 Triton compiles a kernel on its first call (a second or two; later processes read it from
 Triton's cache, ~/.triton/cache or TRITON_CACHE_DIR). `compile_ahead` starts that compile on a
@@ -40,6 +45,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Launch shapes: the fastest measured on an H200 (docs/BENCHMARKS.md), (rows a program, warps).
 ROW_MAX_LAUNCH = (16, 1)
 SUPPRESSOR_LAUNCH = (16, 1)
+FIXED_POINT_WARPS = 2
 _failed: set[str] = set()
 _ahead: dict[torch.device, list[threading.Thread]] = {}
 _ahead_lock = threading.Lock()
@@ -86,6 +92,9 @@ def compile_ahead(device: torch.device, *, row_max_inputs: Iterable[tuple[torch.
             for dtype, columns in row_max_inputs]
     jobs.append(("suppressor_words", _suppressor_words_kernel,
                  (torch.float32, torch.int64, torch.int64, 1024, 16, 4096, 1024, 0.5), _suppressor_words_constants()))
+    # top_nms's steps on its prefix of 1,024 candidates: 16 words a row
+    jobs.append(("fixed_point", _fixed_point_kernel, (torch.int64, torch.int8, torch.int64, torch.int64, 1024, 16),
+                 _fixed_point_constants(16)))
 
     def compile_all():
         with torch.cuda.device(device):
@@ -145,6 +154,20 @@ def suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, *, iou_threshol
     return None
 
 
+def fixed_point(rows: torch.Tensor, valid: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """nms.fixed_point(rows, valid, max_iterations=steps) with no host check: keep [B, K] bool and
+    converged [B] bool (the last step changed nothing). rows: int64 [B, K, ceil(K / 64)]. None
+    where the kernel cannot run (the caller runs the torch ops)."""
+    if _usable("fixed_point", rows, valid) and valid.numel() and steps > 0:
+        try:
+            _compiled_ahead(rows.device)
+            with _on(rows.device):
+                return _fixed_point(rows.contiguous(), valid, steps)
+        except Exception as e:
+            _give_up("fixed_point", e)
+    return None
+
+
 if triton is not None:
     @triton.jit
     def _max(a, b):
@@ -192,6 +215,45 @@ if triton is not None:
         hit = (iou > threshold) & same & (i[None, :] < j[:, None])
         word = tl.sum(hit.to(tl.int64) << tl.arange(0, 64).to(tl.int64)[None, :], axis=1)  # distinct bits: an OR
         tl.store(out_ptr + (b.to(tl.int64) * K + j) * W + tl.program_id(2), word, mask=row)
+
+
+    @triton.jit(do_not_specialize=["K", "W"])
+    def _fixed_point_kernel(rows_ptr, valid_ptr, kept_ptr, out_ptr, K, W, WORDS: tl.constexpr):
+        # Rows j = 64 w .. 64 w + 63 of image b: keep[j] = valid[j] and no kept i suppresses j
+        # (row j's words AND the kept words, all zero), packed as bits into word w of the next
+        # kept words (bit t: candidate 64 w + t).
+        b = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1) * 64 + tl.arange(0, 64)
+        u = tl.arange(0, WORDS)
+        inside = j < K
+        kept = tl.load(kept_ptr + b * W + u, mask=u < W, other=0)
+        row = tl.load(rows_ptr + (b * K + j[:, None]) * W + u[None, :], mask=inside[:, None] & (u[None, :] < W),
+                      other=0)
+        suppressed = tl.sum(((row & kept[None, :]) != 0).to(tl.int32), axis=1)
+        keep = (tl.load(valid_ptr + b * K + j, mask=inside, other=0) != 0) & (suppressed == 0)
+        word = tl.sum(keep.to(tl.int64) << tl.arange(0, 64).to(tl.int64), axis=0)  # distinct bits: an OR
+        tl.store(out_ptr + b * W + tl.program_id(1), word)
+
+
+def _fixed_point_constants(words: int) -> dict:
+    return dict(WORDS=triton.next_power_of_2(words), num_warps=FIXED_POINT_WARPS)
+
+
+def _fixed_point(rows: torch.Tensor, valid: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, k = valid.shape
+    words = rows.shape[2]
+    flags = valid.to(torch.int8)
+    # Two sets of kept words, each step reading one and writing the other. From none kept (nothing
+    # suppresses), the first launch gives valid's words: the torch steps' start; `steps` more follow.
+    kept = [torch.zeros(batch, words, dtype=torch.int64, device=rows.device), torch.empty(batch, words,
+                                                                                           dtype=torch.int64,
+                                                                                           device=rows.device)]
+    for step in range(steps + 1):
+        _fixed_point_kernel[(batch, words)](rows, flags, kept[step % 2], kept[(step + 1) % 2], k, words,
+                                            **_fixed_point_constants(words))
+    last, before = kept[(steps + 1) % 2], kept[steps % 2]
+    bits = (last[:, :, None] >> torch.arange(64, device=rows.device)) & 1  # [B, W, 64]: bit t of word w
+    return bits.reshape(batch, -1)[:, :k].bool(), (last == before).all(dim=1)
 
 
 def _row_max_constants(columns: int) -> dict:

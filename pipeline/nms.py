@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .kernels import suppressor_words
 
 
@@ -88,6 +89,11 @@ def fixed_point(rows: torch.Tensor, valid: torch.Tensor, *, max_iterations: int,
     whole words once (padding: not valid, suppressed by none), so a step is five kernels: pack
     keep, AND, any, and the update."""
     batch, k = valid.shape
+    check_every = 0 if torch.compiler.is_compiling() else sync_every if rows.is_cuda else 1
+    if not check_every:  # every step without a host check: one kernel a step on a GPU
+        done = kernels.fixed_point(rows, valid, max_iterations)
+        if done is not None:
+            return done
     pad = -k % 64
     if pad:
         rows = torch.cat([rows, rows.new_zeros(batch, pad, rows.shape[2])], dim=1)
@@ -95,7 +101,6 @@ def fixed_point(rows: torch.Tensor, valid: torch.Tensor, *, max_iterations: int,
     words = rows.shape[2]
     bit = torch.ones(64, dtype=torch.int64, device=rows.device) << torch.arange(64, device=rows.device)  # 2^63: sign
     keep = previous = valid
-    check_every = 0 if torch.compiler.is_compiling() else sync_every if rows.is_cuda else 1
     for step in range(1, max_iterations + 1):
         # keep as words: distinct powers of two summed, an OR without carries (2^63 makes the word
         # negative and cannot overflow: the other terms are positive and sum below 2^63)

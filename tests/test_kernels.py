@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline import kernels
-from pipeline.nms import packed_bits, suppressor_rows, suppressors
+from pipeline.nms import fixed_point, packed_bits, suppressor_rows, suppressors
 
 from conftest import random_boxes
 
@@ -58,6 +58,33 @@ def check_suppressor_words(device: str) -> None:
     assert "suppressor_words" not in kernels._failed, "the Triton kernel fell back to torch (see the warning)"
 
 
+def check_fixed_point(device: str) -> None:
+    """The kernel's steps against the torch steps (on the CPU, where they stop once every image
+    converged: the same keep, since a converged keep stays), counts of candidates around whole
+    words, chains longer than the steps (converged False) and shorter, invalid candidates."""
+    generator = torch.Generator().manual_seed(3)
+    chain = torch.stack([torch.arange(130.0), torch.zeros(130), torch.arange(130.0) + 10, torch.full((130,), 10.0)],
+                        dim=1)[None]  # each box overlaps the next ones: one long chain of suppressions
+    cases = [(random_boxes(generator, 3, k, grid), torch.randint(0, 3, (3, k), generator=generator))
+             for k, grid in ((1, False), (63, True), (64, False), (65, True), (300, False), (1024, True))]
+    cases.append((chain, torch.zeros(1, 130, dtype=torch.long)))
+    for boxes, classes in cases:
+        rows = packed_bits(suppressors(boxes, classes, iou_threshold=0.5))
+        k = boxes.shape[1]
+        counts = torch.randint(0, k + 1, (len(boxes),), generator=generator)
+        counts[0] = k
+        valid = torch.arange(k)[None] < counts[:, None]  # a prefix of each row, as top_nms's
+        for steps in (1, 3, 16):
+            expected = fixed_point(rows, valid, max_iterations=steps)
+            got = kernels.fixed_point(rows.to(device), valid.to(device), steps)
+            assert got is not None, "the Triton kernel did not run (see the warning)"
+            assert torch.equal(got[0].cpu(), expected[0]) and torch.equal(got[1].cpu(), expected[1]), (k, steps)
+    short = fixed_point(packed_bits(suppressors(chain, torch.zeros(1, 130, dtype=torch.long), iou_threshold=0.5)),
+                        torch.ones(1, 130, dtype=torch.bool), max_iterations=3)
+    assert not short[1].any(), "the chain converged in 3 steps: the case checks nothing about converged"
+    assert "fixed_point" not in kernels._failed, "the Triton kernel fell back to torch (see the warning)"
+
+
 @pytest.mark.cuda
 def test_row_max_on_the_gpu_is_amax():
     check_row_max("cuda")
@@ -68,6 +95,11 @@ def test_suppressor_words_on_the_gpu_are_the_packed_torch_suppressors():
     check_suppressor_words("cuda")
 
 
+@pytest.mark.cuda
+def test_the_fixed_point_kernel_on_the_gpu_takes_the_torch_steps():
+    check_fixed_point("cuda")
+
+
 def check_compiled_ahead() -> None:
     """compile_ahead compiles each kernel as its first call specialises it: the calls after it
     compile nothing more. Run in a fresh process (nothing compiled yet)."""
@@ -76,9 +108,9 @@ def check_compiled_ahead() -> None:
     assert kernels._ahead[device], "compile_ahead started no thread"
     kernels._compiled_ahead(device)
     # Triton's compiled variants of a kernel for a device (the first entry of its per-device caches)
-    compiled = [len(kernel.device_caches[0][0]) for kernel in (kernels._row_max_kernel,
-                                                                kernels._suppressor_words_kernel)]
-    assert compiled == [1, 1], compiled
+    launched = (kernels._row_max_kernel, kernels._suppressor_words_kernel, kernels._fixed_point_kernel)
+    compiled = [len(kernel.device_caches[0][0]) for kernel in launched]
+    assert compiled == [1, 1, 1], compiled
     x = torch.randn(16, 5003, 37, device=device).half()
     torch.testing.assert_close(kernels.row_max(x), x.amax(dim=-1), rtol=0, atol=0)
     generator = torch.Generator().manual_seed(2)
@@ -87,7 +119,10 @@ def check_compiled_ahead() -> None:
     for k in (300, 64, 1):  # prefixes, as top_nms and exact_nms pass them
         got = kernels.suppressor_words(boxes[:, :k], classes[:, :k], iou_threshold=0.45)
         assert torch.equal(got, packed_bits(suppressors(boxes[:, :k], classes[:, :k], iou_threshold=0.45)))
-    after = [len(kernel.device_caches[0][0]) for kernel in (kernels._row_max_kernel, kernels._suppressor_words_kernel)]
+    big = random_boxes(generator, 2, 1024, False).to(device)  # top_nms's prefix: 16 words a row
+    rows = packed_bits(suppressors(big, torch.zeros(2, 1024, dtype=torch.long, device=device), iou_threshold=0.45))
+    assert kernels.fixed_point(rows, torch.ones(2, 1024, dtype=torch.bool, device=device), 16) is not None
+    after = [len(kernel.device_caches[0][0]) for kernel in launched]
     assert after == compiled, f"the calls compiled variants compile_ahead did not: {compiled} -> {after}"
     assert not kernels._failed
 
@@ -140,7 +175,7 @@ def test_a_process_that_exits_while_the_kernels_compile_exits_with_its_own_code(
 @pytest.mark.skipif(kernels.triton is None, reason="Triton is not installed beside torch")
 def test_the_kernels_in_tritons_interpreter_give_the_torch_answers():
     code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_kernels as t; " \
-           "t.check_row_max('cpu'); t.check_suppressor_words('cpu')"
+           "t.check_row_max('cpu'); t.check_suppressor_words('cpu'); t.check_fixed_point('cpu')"
     done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
