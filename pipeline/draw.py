@@ -114,7 +114,8 @@ def with_fetched(records: Iterable[dict]) -> Iterator[tuple[dict, bytes | storag
         urls = [r["path"] for r in chunk if storage.is_url(r["path"])]
         fetched = storage.fetch(urls) if urls else {}
         for record in chunk:
-            yield record, fetched.get(record["path"])
+            data = fetched.get(record["path"])
+            yield record, data if data is None or isinstance(data, storage.Unreadable) else bytes(data)
 
 
 def recorded_root(detections: str | Path) -> str | None:

@@ -28,11 +28,16 @@ import os
 import posixpath
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 from datetime import datetime, timedelta, timezone
 from functools import lru_cache
 
 from . import lines
 from .errors import ConfigError, CredentialsRefused, SourceError, one_line
+
+if TYPE_CHECKING:
+    from collections.abc import Buffer
 
 SCHEMES = {"s3": "s3fs and obstore (pip install 'gpudet[s3]')", "gs": "gcsfs (pip install 'gpudet[gcs]')",
            "gcs": "gcsfs (pip install 'gpudet[gcs]')", "az": "adlfs (pip install 'gpudet[azure]')",
@@ -43,6 +48,8 @@ URL = re.compile(r"([a-z][a-z0-9+.-]*)://", re.IGNORECASE)
 OPTIONS_VARIABLE = "GPUDET_STORAGE_OPTIONS"
 TRIES = 5
 BACKOFF_S = 0.2
+FETCH_THREADS = 256
+"""Requests one process has in flight at most on obstore's path (fast_fetch)."""
 """The first retry's wait; each next one waits twice as long."""
 
 
@@ -309,14 +316,17 @@ def s3_store(S3Store, fs, bucket: str):
     return S3Store(bucket, credential_provider=credentials, **settings)
 
 
-def fast_fetch(fs, paths: list[str]) -> dict[str, bytes | OSError]:
-    """What obstore fetched of `paths` (s3fs's, "bucket/key"), all at once: bytes, or
+def fast_fetch(fs, paths: list[str]) -> dict[str, Buffer | OSError]:
+    """What obstore fetched of `paths` (s3fs's, "bucket/key"), all at once: its buffer (obstore's
+    Bytes, read without a copy through the buffer protocol), or
     FileNotFoundError / PermissionError for a missing or refused object; the others are left out
-    (s3fs fetches them), all of them where obstore is not installed or the calling thread runs an
-    event loop (a notebook's). A bucket whose store has failed every request it made goes to s3fs
-    alone."""
-    if in_event_loop():
-        return {}
+    (s3fs fetches them), all of them where obstore is not installed. A bucket whose store has
+    failed every request it made goes to s3fs alone.
+
+    Each object is one blocking get on a thread of FETCHING (obstore lets go of the GIL while it
+    waits), and its buffer is handed on as it is: fewer Python steps an object, each of which waits
+    for the GIL, than coroutines awaited on an event loop a batch (docs/BENCHMARKS.md, "Images in
+    object storage", has the measurement)."""
     try:
         import obstore
         from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
@@ -325,10 +335,10 @@ def fast_fetch(fs, paths: list[str]) -> dict[str, bytes | OSError]:
 
     stores = {bucket: fast_store(fs, bucket) for bucket in {p.split("/", 1)[0] for p in paths}}
 
-    async def one(path: str) -> bytes | OSError | None:
+    def one(path: str) -> Buffer | OSError | None:
         bucket, _, key = path.partition("/")
         try:
-            return bytes(await (await obstore.get_async(stores[bucket], key)).bytes_async())
+            return obstore.get(stores[bucket], key).bytes()  # its buffer, not copied
         except NotFoundError as e:
             return FileNotFoundError(str(e))
         except (PermissionDeniedError, UnauthenticatedError) as e:
@@ -336,16 +346,18 @@ def fast_fetch(fs, paths: list[str]) -> dict[str, bytes | OSError]:
         except Exception:  # noqa: BLE001 - s3fs tries it again, and says what failed
             return None
 
-    async def all_of(todo: list[str]) -> list[bytes | OSError | None]:
-        return await asyncio.gather(*(one(p) for p in todo))
-
     todo = [p for p in paths if stores[p.split("/", 1)[0]] is not None]
-    got = dict(zip(todo, asyncio.run(all_of(todo)))) if todo else {}
+    got = dict(zip(todo, FETCHING.map(one, todo))) if todo else {}
     SERVED.update((id(fs), path.split("/", 1)[0]) for path, value in got.items() if value is not None)
     for bucket in stores:
         if (id(fs), bucket) not in SERVED:
             FAST[(id(fs), bucket)] = None
     return {path: value for path, value in got.items() if value is not None}
+
+
+FETCHING = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="gpudet-get")
+"""The threads obstore's gets block on, shared by every batch a process fetches (started as
+they are needed, up to FETCH_THREADS: requests in flight in one process)."""
 
 
 SERVED: set[tuple[int, str]] = set()
@@ -372,11 +384,11 @@ def cat_literal(fs, paths: list[str]) -> dict[str, bytes | BaseException]:
     return got
 
 
-def fetch(urls: list[str]) -> dict[str, bytes | Unreadable]:
-    """Each URL's bytes, fetched concurrently, or why it could not be (Unreadable); transient
-    failures tried again with backoff. CredentialsRefused where the store stops honouring the
-    credentials mid-run (check_credentials)."""
-    results: dict[str, bytes | Unreadable] = {}
+def fetch(urls: list[str]) -> dict[str, Buffer | Unreadable]:
+    """Each URL's bytes (bytes, or obstore's bytes-like buffer), fetched concurrently, or why it
+    could not be (Unreadable); transient failures tried again with backoff. CredentialsRefused
+    where the store stops honouring the credentials mid-run (check_credentials)."""
+    results: dict[str, Buffer | Unreadable] = {}
     by_fs: dict[int, tuple] = {}
     for url in urls:
         fs, path = fs_of(url)
@@ -385,7 +397,7 @@ def fetch(urls: list[str]) -> dict[str, bytes | Unreadable]:
         todo, wait = list(paths), BACKOFF_S
         if type(fs).__name__ == "S3FileSystem":
             for path, value in fast_fetch(fs, todo).items():
-                if isinstance(value, bytes):
+                if not isinstance(value, OSError):
                     results[paths[path]] = value
                     READ_BEFORE.setdefault(id(fs), path)
                 else:
