@@ -15,7 +15,8 @@
 #   OUT=DIR bash scripts/gpu_check.sh profile     # scripts/profile_loop.py over COCO-sized JPEGs (its trace in /tmp)
 #   OUT=DIR RCLONE=BIN bash scripts/gpu_check.sh s3  # detect over the COCO-sized set: local disk, then an S3 server here
 #     (S3_SETS="KEY=VALUE[,KEY=VALUE] ...": one more S3 run with each; RCLONE_FLAGS: the server's options;
-#     READER_SHAPES="PROCESSES:REQUESTS ...": gpudet's reader alone against the server)
+#     RATE_SHAPES="PROCESSES:THREADS ...": a plain client against the server; READER_SHAPES="PROCESSES:REQUESTS
+#     ...": gpudet's reader alone)
 #
 # The GPU machine returns a few files per command: `tar czf "$OUT.tgz" -C "$OUT" .` after a mode keeps them all.
 #
@@ -205,9 +206,9 @@ case "${1:-}" in
     watch=$!
     trap 'kill $server $watch' EXIT
     export AWS_ACCESS_KEY_ID=gpudetkey AWS_SECRET_ACCESS_KEY=gpudetsecret AWS_DEFAULT_REGION=us-east-1
-    for shape in "1 64" "4 32" "8 32"; do  # the server's own rate to a plain client, no GPU
+    for shape in ${RATE_SHAPES:-1:64 4:32 8:32}; do  # the server's own rate to a plain client, no GPU
       # shellcheck disable=SC2086
-      $PY "$ROOT/scripts/s3_rate.py" http://127.0.0.1:9123 $shape 10000 | tee -a "$OUT/s3_rate.txt"
+      $PY "$ROOT/scripts/s3_rate.py" http://127.0.0.1:9123 ${shape/:/ } 10000 | tee -a "$OUT/s3_rate.txt"
     done
     for shape in ${READER_SHAPES:-2:128 2:512 4:512 0:128}; do  # gpudet's reader alone: PROCESSES:REQUESTS
       # shellcheck disable=SC2086
