@@ -91,11 +91,10 @@ def compile_ahead(device: torch.device, *, row_max_inputs: Iterable[tuple[torch.
     jobs = [("row_max", _row_max_kernel, (dtype, dtype, 1 << 20), _row_max_constants(columns))
             for dtype, columns in row_max_inputs]
     jobs.append(("suppressor_words", _suppressor_words_kernel,
-                 (torch.float32, torch.int64, torch.int32, torch.int64, 1024, 16, 4096, 1024, 0.5),
-                 _suppressor_words_constants()))
+                 (torch.float32, torch.int64, torch.int64, 1024, 16, 4096, 1024, 0.5), _suppressor_words_constants()))
     # top_nms's steps on its prefix of 1,024 candidates: 16 words a row
-    jobs.append(("fixed_point", _fixed_point_kernel,
-                 (torch.int64, torch.int8, torch.int32, torch.int64, torch.int64, 1024, 16), _fixed_point_constants(16)))
+    jobs.append(("fixed_point", _fixed_point_kernel, (torch.int64, torch.int8, torch.int64, torch.int64, 1024, 16),
+                 _fixed_point_constants(16)))
 
     def compile_all():
         with torch.cuda.device(device):
@@ -140,21 +139,16 @@ def row_max(x: torch.Tensor) -> torch.Tensor:
     return x.amax(dim=-1)
 
 
-def suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, *, iou_threshold: float,
-                     valid: torch.Tensor | None = None) -> torch.Tensor | None:
+def suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, *, iou_threshold: float) -> torch.Tensor | None:
     """nms.packed_bits(nms.suppressors(boxes, classes, iou_threshold=...)): int64 [B, K, ceil(K / 64)],
     bit i % 64 of word i // 64 of row j set where candidate i ranks above j (i < j), has its class
     and overlaps it by IoU > iou_threshold. boxes [B, K, 4] x1y1x2y2, classes [B, K] int. None
-    where the kernel cannot run (the caller runs the torch ops).
-
-    valid [B, K] bool, if given: the candidates past each image's last valid one are neither tested
-    nor test (their rows and bits are zero), so an image of a few valid candidates among K costs
-    little. Never kept, they would suppress nothing, and their own rows are never read."""
+    where the kernel cannot run (the caller runs the torch ops)."""
     if _usable("suppressor_words", boxes, classes) and boxes.numel():
         try:
             _compiled_ahead(boxes.device)
             with _on(boxes.device):
-                return _suppressor_words(boxes.float(), classes, iou_threshold, extents(valid, boxes))
+                return _suppressor_words(boxes.float(), classes, iou_threshold)
         except Exception as e:
             _give_up("suppressor_words", e)
     return None
@@ -162,14 +156,13 @@ def suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, *, iou_threshol
 
 def fixed_point(rows: torch.Tensor, valid: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """nms.fixed_point(rows, valid, max_iterations=steps) with no host check: keep [B, K] bool and
-    converged [B] bool (the last step changed nothing). rows: int64 [B, K, ceil(K / 64)]: only
-    those of candidates up to each image's last valid one are read. None where the kernel cannot
-    run (the caller runs the torch ops)."""
+    converged [B] bool (the last step changed nothing). rows: int64 [B, K, ceil(K / 64)]. None
+    where the kernel cannot run (the caller runs the torch ops)."""
     if _usable("fixed_point", rows, valid) and valid.numel() and steps > 0:
         try:
             _compiled_ahead(rows.device)
             with _on(rows.device):
-                return _fixed_point(rows.contiguous(), valid, steps, extents(valid, valid))
+                return _fixed_point(rows.contiguous(), valid, steps)
         except Exception as e:
             _give_up("fixed_point", e)
     return None
@@ -197,17 +190,15 @@ if triton is not None:
         tl.store(out_ptr + r, tl.where(nan, float("nan"), tl.max(x, axis=1)), mask=inside)
 
     @triton.jit(do_not_specialize=["K", "W", "box_batch_stride", "class_batch_stride"])
-    def _suppressor_words_kernel(boxes_ptr, classes_ptr, extent_ptr, out_ptr, K, W, box_batch_stride,
-                                 class_batch_stride, threshold, BLOCK_J: tl.constexpr):
+    def _suppressor_words_kernel(boxes_ptr, classes_ptr, out_ptr, K, W, box_batch_stride, class_batch_stride,
+                                 threshold, BLOCK_J: tl.constexpr):
         # Rows j of one image against the 64 candidates i of one word: the IoU in float32 as
         # nms.box_iou_batched computes it, op for op (no fused multiply-add: see the launch), NaN
         # carried through as torch's clamp, minimum and maximum carry it (so it suppresses nothing).
-        # Candidates from the image's extent on are neither loaded nor tested: zero words.
         b = tl.program_id(0)
         j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
         i = tl.program_id(2) * 64 + tl.arange(0, 64)
-        n = tl.load(extent_ptr + b)
-        row, col = (j < K) & (j < n), (i < K) & (i < n)
+        row, col = j < K, i < K
         box = boxes_ptr + b.to(tl.int64) * box_batch_stride
         x1j, y1j = tl.load(box + j * 4, mask=row, other=0.0), tl.load(box + j * 4 + 1, mask=row, other=0.0)
         x2j, y2j = tl.load(box + j * 4 + 2, mask=row, other=0.0), tl.load(box + j * 4 + 3, mask=row, other=0.0)
@@ -223,23 +214,20 @@ if triton is not None:
         same = tl.load(cls + j, mask=row, other=-1)[:, None] == tl.load(cls + i, mask=col, other=-2)[None, :]
         hit = (iou > threshold) & same & (i[None, :] < j[:, None])
         word = tl.sum(hit.to(tl.int64) << tl.arange(0, 64).to(tl.int64)[None, :], axis=1)  # distinct bits: an OR
-        tl.store(out_ptr + (b.to(tl.int64) * K + j) * W + tl.program_id(2), word, mask=j < K)
+        tl.store(out_ptr + (b.to(tl.int64) * K + j) * W + tl.program_id(2), word, mask=row)
 
 
     @triton.jit(do_not_specialize=["K", "W"])
-    def _fixed_point_kernel(rows_ptr, valid_ptr, extent_ptr, kept_ptr, out_ptr, K, W, WORDS: tl.constexpr):
+    def _fixed_point_kernel(rows_ptr, valid_ptr, kept_ptr, out_ptr, K, W, WORDS: tl.constexpr):
         # Rows j = 64 w .. 64 w + 63 of image b: keep[j] = valid[j] and no kept i suppresses j
         # (row j's words AND the kept words, all zero), packed as bits into word w of the next
-        # kept words (bit t: candidate 64 w + t). Nothing past the image's extent (its last valid
-        # candidate) is read: no candidate there is kept.
+        # kept words (bit t: candidate 64 w + t).
         b = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1) * 64 + tl.arange(0, 64)
         u = tl.arange(0, WORDS)
-        n = tl.load(extent_ptr + b)
-        inside = (j < K) & (j < n)
-        words = (u < W) & (u * 64 < n)
-        kept = tl.load(kept_ptr + b * W + u, mask=words, other=0)
-        row = tl.load(rows_ptr + (b * K + j[:, None]) * W + u[None, :], mask=inside[:, None] & words[None, :],
+        inside = j < K
+        kept = tl.load(kept_ptr + b * W + u, mask=u < W, other=0)
+        row = tl.load(rows_ptr + (b * K + j[:, None]) * W + u[None, :], mask=inside[:, None] & (u[None, :] < W),
                       other=0)
         suppressed = tl.sum(((row & kept[None, :]) != 0).to(tl.int32), axis=1)
         keep = (tl.load(valid_ptr + b * K + j, mask=inside, other=0) != 0) & (suppressed == 0)
@@ -251,18 +239,7 @@ def _fixed_point_constants(words: int) -> dict:
     return dict(WORDS=triton.next_power_of_2(words), num_warps=FIXED_POINT_WARPS)
 
 
-def extents(valid: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """int32 [B]: 1 + the index of each image's last valid candidate (0: none); K where valid is
-    None. like: a tensor [B, K, ...] on the device."""
-    batch, k = like.shape[:2]
-    if valid is None:
-        return torch.full((batch,), k, dtype=torch.int32, device=like.device)
-    rank = torch.arange(1, k + 1, dtype=torch.int32, device=valid.device)
-    return (valid * rank).amax(dim=1).to(torch.int32)
-
-
-def _fixed_point(rows: torch.Tensor, valid: torch.Tensor, steps: int,
-                 extent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fixed_point(rows: torch.Tensor, valid: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     batch, k = valid.shape
     words = rows.shape[2]
     flags = valid.to(torch.int8)
@@ -272,7 +249,7 @@ def _fixed_point(rows: torch.Tensor, valid: torch.Tensor, steps: int,
                                                                                            dtype=torch.int64,
                                                                                            device=rows.device)]
     for step in range(steps + 1):
-        _fixed_point_kernel[(batch, words)](rows, flags, extent, kept[step % 2], kept[(step + 1) % 2], k, words,
+        _fixed_point_kernel[(batch, words)](rows, flags, kept[step % 2], kept[(step + 1) % 2], k, words,
                                             **_fixed_point_constants(words))
     last, before = kept[(steps + 1) % 2], kept[steps % 2]
     bits = (last[:, :, None] >> torch.arange(64, device=rows.device)) & 1  # [B, W, 64]: bit t of word w
@@ -298,8 +275,7 @@ def _suppressor_words_constants() -> dict:
     return dict(BLOCK_J=block, num_warps=warps, enable_fp_fusion=False)
 
 
-def _suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, iou_threshold: float,
-                      extent: torch.Tensor) -> torch.Tensor:
+def _suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, iou_threshold: float) -> torch.Tensor:
     batch, k = boxes.shape[:2]
     if boxes.stride(1) != 4 or boxes.stride(2) != 1:
         boxes = boxes.contiguous()
@@ -308,6 +284,6 @@ def _suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, iou_threshold:
     words = -(-k // 64)
     out = torch.empty(batch, k, words, dtype=torch.int64, device=boxes.device)
     _suppressor_words_kernel[(batch, triton.cdiv(k, SUPPRESSOR_LAUNCH[0]), words)](
-        boxes, classes, extent, out, k, words, boxes.stride(0), classes.stride(0), float(iou_threshold),
+        boxes, classes, out, k, words, boxes.stride(0), classes.stride(0), float(iou_threshold),
         **_suppressor_words_constants())
     return out
