@@ -381,7 +381,9 @@ def cpu_table() -> str:
 S3_RUNS = (("a batch's share per reading thread (32 requests in flight)", "s3/aef1a51"),
            ("2 fetching processes, 4 batches of 32 in flight", "s3/e19444f"),
            ("the same", "s3/97bd201"),
-           ("the same, the server with `--buffer-size 0 --no-modtime --no-checksum`", "s3/97bd201_rclone_flags"))
+           ("the same, the server with `--buffer-size 0 --no-modtime --no-checksum`", "s3/97bd201_rclone_flags"),
+           ("the same, the postprocess on a stream of its own", "s3/823931d"),
+           ("the same, objects fetched by blocking gets on threads (and the reverted NMS change)", "s3/e97c6b7"))
 """`gpu_check.sh s3` runs, oldest first: (how that tree read the objects, its folder of summaries)."""
 
 
@@ -404,8 +406,8 @@ def s3_table() -> str:
             disk, s3 = (load(f"{folder}/detect_coco_{where}_{k}_summary") for where in ("disk", "s3"))
             lines += [row(label, k, "local disk", disk, None), row(label, k, "S3", s3, disk)]
         for extra in [n for n in names if not n.isdigit()]:  # S3_SETS: one more S3 run each, against round 1's disk
-            key, value = extra.rsplit("_", 1)  # run_storage_processes_0: run.storage_processes=0
-            lines.append(row(label, "+1", f"S3, `run.{key.removeprefix('run_')}={value}`",
+            pairs = [p.rsplit("_", 1) for p in ("_" + extra).split("_run_")[1:]]  # run_a_b_1_run_c_2: run.a_b=1 run.c=2
+            lines.append(row(label, "+1", "S3, " + ", ".join(f"`run.{key}={value}`" for key, value in pairs),
                              load(f"{folder}/detect_coco_s3_{extra}_summary"),
                              load(f"{folder}/detect_coco_disk_1_summary")))
     s = load(f"{S3_RUNS[-1][1]}/detect_coco_s3_1_summary")
@@ -414,35 +416,81 @@ def s3_table() -> str:
                                "`rclone serve s3` on the same machine serving the same folder (`s3://coco/`, "
                                "`--storage-option endpoint_url=...`), in turn; the aef1a51 run on an H200, the "
                                f"others on an H100; 16 cores; {s['started'][:10]}. Command: `scripts/gpu_check.sh s3` "
-                               "(`S3_SETS=run.storage_processes=0`: the +1 rows)."])
+                               "(`S3_SETS=KEY=VALUE,...`: the +1 rows, each against its tree's first disk run)."])
 
 
 YOLO_RUNS = (("YOLO11n, kernel by kernel", "h100/yolo11n_seeded"),
              ("YOLO11n, one CUDA graph (`run.cuda_graph: auto`)", "yolo/yolo11n_e19444f"),
              ("YOLO11n, the same with `run.prefer_nhwc=true`", "yolo/yolo11n_nhwc_e19444f"),
              ("YOLO11n, a CUDA graph, NMS steps as one Triton kernel (reverted)", "yolo/yolo11n_97bd201"),
-             ("YOLO11m, the same tree", "yolo/yolo11m_97bd201"))
-"""`gpu_check.sh yolo` runs: (the export and how it ran, its report)."""
+             ("YOLO11m, the same tree", "yolo/yolo11m_97bd201"),
+             ("YOLO11n, the postprocess on the legacy default stream, round 1", "yolo/h200_ab/yolo11n_afd0a33_1"),
+             ("YOLO11n, the postprocess on a stream of its own at a higher priority, round 1",
+              "yolo/h200_ab/yolo11n_2c69ec2_1"),
+             ("YOLO11n, the same, each NMS step one Triton kernel, round 1", "yolo/h200_ab/yolo11n_823931d_1"),
+             ("YOLO11n, the legacy default stream, round 2", "yolo/h200_ab/yolo11n_afd0a33_2"),
+             ("YOLO11n, a stream of its own, round 2", "yolo/h200_ab/yolo11n_2c69ec2_2"),
+             ("YOLO11n, the same, each NMS step one kernel, round 2", "yolo/h200_ab/yolo11n_823931d_2"),
+             ("YOLO11m, the same tree", "yolo/yolo11m_823931d_h200"),
+             ("YOLO11n, the same tree", "yolo/h100_823931d/yolo11n_default"),
+             ("YOLO11n, the same with `run.pipeline_depth=3`", "yolo/h100_823931d/yolo11n_depth3"),
+             ("YOLO11n, the same with `postprocess.pre_nms_top_k=1024`", "yolo/h100_823931d/yolo11n_topk1024"),
+             ("YOLO11n, the same with `postprocess.pre_nms_top_k=256` (drops candidates)",
+              "yolo/h100_823931d/yolo11n_topk256"),
+             ("YOLO11n, the same tree, again", "yolo/h100_823931d/yolo11n_again"),
+             ("YOLO11n, NMS only up to each image's last valid candidate (reverted)",
+              "yolo/h100_e97c6b7/yolo11n_default"),
+             ("YOLO11n, the same, again", "yolo/h100_e97c6b7/yolo11n_again"))
+"""`gpu_check.sh yolo` runs and `gpudet bench` runs beside them: (the export and how it ran, its report)."""
+
+
+def gpu_name(report: dict) -> str:
+    return report["machine"]["gpus"][0].removeprefix("NVIDIA ").split(" ")[0]
 
 
 def yolo_table() -> str:
-    lines = ["| export, how it ran | tree | gpudet loop img/s (passes) | ORT alone | DALI alone | gpudet / ORT alone | "
-             "detections per image | the loop waited on the postprocess | GPU busy |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| export, how it ran | tree | GPU | gpudet loop img/s (passes) | ORT alone | DALI alone | gpudet / ORT "
+             "alone | detections per image | the loop waited on the postprocess | GPU busy | host: fixed Python |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, name in YOLO_RUNS:
         r = load(name)
         rates, stages = r["images_per_s"], r["gpudet_stages_s"]
-        lines.append(f"| {label} | {r['tree']['commit']} | **{num(rates['gpudet'], 1)}** "
+        lines.append(f"| {label} | {r['tree']['commit']} | {gpu_name(r)} | **{num(rates['gpudet'], 1)}** "
                      f"({', '.join(num(p, 1) for p in r['gpudet_passes_images_per_s'])}) | {num(rates['model'], 1)} | "
                      f"{num(rates['preprocess'], 1)} | **{rates['gpudet'] / rates['model']:.2f}x** | "
                      f"{r['detections_per_image']} | {stages['postprocess']:.2f} s | "
-                     f"{stages['gpu_utilisation_percent']:.0f}% |")
+                     f"{stages['gpu_utilisation_percent']:.0f}% | {r['machine']['python_loop_ms']:.1f} ms |")
     r = load(YOLO_RUNS[-1][1])
     m = r["machine"]
     return "\n".join(lines + ["", f"{r['images']} crops, batch {r['batch_size']}, 640x640, fp32 exports with random "
-                               f"weights seeded by `scripts/seed_yolo.py`; {m['gpus'][0]}, {m['cores']} cores; torch "
-                               f"{m['torch']}, onnxruntime {m['onnxruntime']}, DALI {m['dali']}; {r['date'][:10]}. "
-                               "Command: `YOLO_MODELS=... bash scripts/gpu_check.sh yolo`."])
+                               f"weights seeded by `scripts/seed_yolo.py`, the `yolo_coco` preset; {m['cores']} cores; "
+                               f"torch {m['torch']}, onnxruntime {m['onnxruntime']}, DALI {m['dali']}; up to "
+                               f"{r['date'][:10]}. The rows of one tree ran one after the other on one machine; the "
+                               "H200 rows ran the three trees in turn, twice. Host: the time a fixed piece of Python "
+                               "took on one core before the run (`gpudet bench`'s machine check). Command: "
+                               "`YOLO_MODELS=... bash scripts/gpu_check.sh yolo`, then `gpudet bench LIST --config "
+                               "yolo_coco --set model.path=... [--set ...]`."])
+
+
+STREAM_RUNS = (("afd0a33", "the legacy default stream"), ("2c69ec2", "a stream of its own, higher priority"),
+               ("823931d", "the same, each NMS step one Triton kernel"))
+"""The default config on the crops: the trees of the YOLO table's H200 rows, in turn, twice."""
+
+
+def streams_table() -> str:
+    lines = ["| tree: the postprocess on | round | gpudet loop img/s (passes) | ORT alone | DALI alone | GPU busy | "
+             "host: fixed Python |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for round_ in (1, 2):
+        for commit, label in STREAM_RUNS:
+            r = load(f"h200_ab_streams/crops_{commit}_{round_}")
+            rates = r["images_per_s"]
+            lines.append(f"| {commit}: {label} | {round_} | **{num(rates['gpudet'])}** "
+                         f"({', '.join(num(p) for p in r['gpudet_passes_images_per_s'])}) | {num(rates['model'])} | "
+                         f"{num(rates['preprocess'])} | {r['gpudet_stages_s']['gpu_utilisation_percent']:.0f}% | "
+                         f"{r['machine']['python_loop_ms']:.1f} ms |")
+    return "\n".join(lines + ["", f"The default config (RetinaFace) over the {r['images']} crops, {gpu_name(r)}, "
+                               f"{r['date'][:10]}. Command: `AB=\"before=DIR post=DIR\" ROUNDS=2 DETECT_ROUNDS=0 "
+                               "bash scripts/gpu_check.sh ab`."])
 
 
 COCO_BATCHES = (("32 (the default)", "coco20k/batch32_e19444f"), ("64", "coco20k/batch64_e19444f"))
@@ -498,7 +546,7 @@ def shorten(command: str) -> str:
 SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "retinanet": retinanet_table,
             "ray": ray_table, "formats": formats_table, "threads": threads_table,
             "omp": omp_table, "cpu": cpu_table, "expert": expert_table, "s3": s3_table,
-            "profile": profile_table, "yolo": yolo_table, "batches": batch_table}
+            "profile": profile_table, "yolo": yolo_table, "batches": batch_table, "streams": streams_table}
 
 
 ALL_SECTIONS = SECTIONS | {"speed": speed_table}
