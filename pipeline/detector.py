@@ -274,14 +274,11 @@ class Detector:
         launched.wait()  # this thread's stream waits for the model, on the device
         meta = image_meta(batch.scale_yx, batch.pad_yx, batch.orig_hw)
         found = self.postprocess(launched.outputs, meta, num_images=len(batch.refs), thresholds=thresholds)
-        if on_device:
-            found = found.on_device()
-            if self.device.is_cuda:  # done reading the engine's output buffers before they are reused
-                torch.cuda.current_stream(self.device.torch).synchronize()
-        else:
-            found = found.to_host()  # the batch's one device-to-host copy
+        found = found.on_device() if on_device else found.to_host()  # to_host: the batch's one device-to-host copy
         if thresholds.classes:
             found = found.of_classes(thresholds.classes)
+        if on_device and self.device.is_cuda:  # the rows made, and the engine's output buffers read, before the
+            torch.cuda.current_stream(self.device.torch).synchronize()  # caller takes them and the engine reuses those
         seconds = launched.seconds()
         if seconds is not None:
             clock.add("engine_gpu", seconds)
@@ -298,10 +295,10 @@ class Detector:
             except BadModelOutput as e:
                 on_error([bad_output(ref, str(e)) for ref in batch.refs])
                 return
-        if isinstance(found, DeviceDetections) and self._post_stream is not None:  # made on the postprocess's stream: the caller's
-            caller = torch.cuda.current_stream(self.device.torch)  # stream waits for them, and holds their memory
-            caller.wait_stream(self._post_stream)
-            found.record_stream(caller)
+        if isinstance(found, DeviceDetections) and self._post_stream is not None:
+            # made (and finished: _postprocess synchronized) on the postprocess's stream: the
+            # caller's stream holds their memory from here
+            found.record_stream(torch.cuda.current_stream(self.device.torch))
         bad = found.bad_images()
         if bad:
             on_error([bad_output(batch.refs[i], "the model's boxes, scores or landmarks for this image hold NaN or "

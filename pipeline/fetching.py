@@ -60,7 +60,7 @@ class FetchProcesses:
             self.broken = True
             log.warning("cannot start a process to fetch objects (%s); fetching them in this one", one_line(e, 200))
 
-    def fetch(self, urls: list[str]) -> dict[str, bytes | storage.Unreadable]:
+    def fetch(self, urls: list[str]) -> dict[str, storage.Buffer | storage.Unreadable]:
         if not self.broken:
             with self._lock:
                 key = next(self._keys)

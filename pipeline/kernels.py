@@ -61,8 +61,8 @@ def _usable(name: str, *tensors: torch.Tensor) -> bool:
 
 def _on(device: torch.device):
     """The tensors' GPU as the current device while a kernel launches: Triton launches on the
-    current device and its current stream (torch's ops follow their tensors; the postprocess's
-    thread starts on cuda:0, whatever GPU its detector runs on)."""
+    current device and its current stream (torch's ops follow their tensors; the warm-up runs the
+    postprocess on the caller's thread, whose current device may be another GPU)."""
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
@@ -76,9 +76,9 @@ def _give_up(name: str, error: Exception) -> None:
 
 def compile_ahead(device: torch.device, *, row_max_inputs: Iterable[tuple[torch.dtype, int]] = ()) -> None:
     """Compile, on a thread of its own, the kernels a postprocess on `device` will launch:
-    suppressor_words, and row_max for each (dtype, C) of its input's [..., C]. Compiling launches
-    nothing and loads nothing onto the GPU, so it can run beside ORT's warm-up and the CUDA graph
-    ORT captures there. A kernel's first call waits for this thread. A compile that fails here is
+    suppressor_words, fixed_point, and row_max for each (dtype, C) of its input's [..., C].
+    Compiling launches nothing and loads nothing onto the GPU, so it can run beside ORT's warm-up
+    and the CUDA graph ORT captures there. A kernel's first call waits for this thread. A compile that fails here is
     left for that first call to meet and report."""
     if triton is None or INTERPRET or device.type != "cuda":
         return
@@ -242,7 +242,7 @@ def _fixed_point_constants(words: int) -> dict:
 def _fixed_point(rows: torch.Tensor, valid: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     batch, k = valid.shape
     words = rows.shape[2]
-    flags = valid.to(torch.int8)
+    flags = valid.to(torch.int8, memory_format=torch.contiguous_format)  # read as [B, K] rows
     # Two sets of kept words, each step reading one and writing the other. From none kept (nothing
     # suppresses), the first launch gives valid's words: the torch steps' start; `steps` more follow.
     kept = [torch.zeros(batch, words, dtype=torch.int64, device=rows.device), torch.empty(batch, words,

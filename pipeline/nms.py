@@ -87,7 +87,8 @@ def fixed_point(rows: torch.Tensor, valid: torch.Tensor, *, max_iterations: int,
     Rows and keep go as bits, 64 to an int64 word: a step reads 1/8 of the bytes of the bool
     matrix (a [16, 1024, 1024] step: 2 MB instead of 16 MB, twice). Candidates are padded to
     whole words once (padding: not valid, suppressed by none), so a step is five kernels: pack
-    keep, AND, any, and the update."""
+    keep, AND, any, and the update. On a GPU without a host check, a step is one Triton kernel
+    instead (kernels.fixed_point), with the same answer."""
     batch, k = valid.shape
     check_every = 0 if torch.compiler.is_compiling() else sync_every if rows.is_cuda else 1
     if not check_every:  # every step without a host check: one kernel a step on a GPU

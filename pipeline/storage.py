@@ -37,7 +37,7 @@ from . import lines
 from .errors import ConfigError, CredentialsRefused, SourceError, one_line
 
 if TYPE_CHECKING:
-    from collections.abc import Buffer
+    from typing_extensions import Buffer  # collections.abc's from Python 3.12
 
 SCHEMES = {"s3": "s3fs and obstore (pip install 'gpudet[s3]')", "gs": "gcsfs (pip install 'gpudet[gcs]')",
            "gcs": "gcsfs (pip install 'gpudet[gcs]')", "az": "adlfs (pip install 'gpudet[azure]')",
@@ -48,9 +48,9 @@ URL = re.compile(r"([a-z][a-z0-9+.-]*)://", re.IGNORECASE)
 OPTIONS_VARIABLE = "GPUDET_STORAGE_OPTIONS"
 TRIES = 5
 BACKOFF_S = 0.2
+"""The first retry's wait; each next one waits twice as long."""
 FETCH_THREADS = 256
 """Requests one process has in flight at most on obstore's path (fast_fetch)."""
-"""The first retry's wait; each next one waits twice as long."""
 
 
 def scheme(text: str) -> str | None:
@@ -188,21 +188,11 @@ def list_lines(data: bytes, url: str) -> list[str]:
     return urls
 
 
-def in_event_loop() -> bool:
-    """Whether the calling thread runs an event loop (a notebook's): obstore's path steps aside
-    there (asyncio.run cannot nest), and s3fs does the work."""
-    try:
-        asyncio.get_running_loop()
-        return True
-    except RuntimeError:
-        return False
-
-
 def fast_find(fs, path: str) -> list[str] | None:
     """The objects under an S3 prefix ("bucket/prefix/", s3fs's), listed by obstore (its pages
     parsed outside Python: 2.5x s3fs's rate over 20,000 objects), or None where s3fs lists them:
     not S3, no store, or a listing that failed (s3fs says why)."""
-    if type(fs).__name__ != "S3FileSystem" or in_event_loop():
+    if type(fs).__name__ != "S3FileSystem":
         return None
     bucket, _, prefix = path.rstrip("/").partition("/")
     store = fast_store(fs, bucket)
@@ -355,9 +345,17 @@ def fast_fetch(fs, paths: list[str]) -> dict[str, Buffer | OSError]:
     return {path: value for path, value in got.items() if value is not None}
 
 
-FETCHING = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="gpudet-get")
+def _new_pool() -> None:
+    global FETCHING
+    FETCHING = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="gpudet-get")
+
+
+FETCHING: ThreadPoolExecutor
 """The threads obstore's gets block on, shared by every batch a process fetches (started as
-they are needed, up to FETCH_THREADS: requests in flight in one process)."""
+they are needed, up to FETCH_THREADS: requests in flight in one process). A forked child gets a
+pool of its own: the parent's threads are not in it."""
+_new_pool()
+os.register_at_fork(after_in_child=_new_pool)
 
 
 SERVED: set[tuple[int, str]] = set()
@@ -459,4 +457,4 @@ def read_url(url: str) -> bytes:
     value = fetch([url])[url]
     if isinstance(value, Unreadable):
         raise value
-    return value
+    return bytes(value)

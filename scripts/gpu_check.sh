@@ -222,9 +222,10 @@ case "${1:-}" in
       served "coco_s3_$round"
     done
     for spec in ${S3_SETS:-}; do  # KEY=VALUE[,KEY=VALUE] ...: one more S3 run with each
-      # shellcheck disable=SC2046 - one --set per KEY=VALUE
+      sets=()  # one --set per KEY=VALUE: split at a comma that starts a new section.key (a list value keeps its own)
+      while IFS= read -r pair; do sets+=(--set "$pair"); done < <(sed 's/,\([a-z_]*\.\)/\n\1/g' <<< "$spec")
       timed_detect "coco_s3_$(echo "$spec" | tr -c '[:alnum:]_\n' '_')" now s3://coco/ \
-        --storage-option endpoint_url=http://127.0.0.1:9123 $(echo "$spec" | tr ',' '\n' | sed 's/^/--set /')
+        --storage-option endpoint_url=http://127.0.0.1:9123 "${sets[@]}"
       served "$spec"
     done
     ;;

@@ -406,8 +406,11 @@ def s3_table() -> str:
             disk, s3 = (load(f"{folder}/detect_coco_{where}_{k}_summary") for where in ("disk", "s3"))
             lines += [row(label, k, "local disk", disk, None), row(label, k, "S3", s3, disk)]
         for extra in [n for n in names if not n.isdigit()]:  # S3_SETS: one more S3 run each, against round 1's disk
-            pairs = [p.rsplit("_", 1) for p in ("_" + extra).split("_run_")[1:]]  # run_a_b_1_run_c_2: run.a_b=1 run.c=2
-            lines.append(row(label, "+1", "S3, " + ", ".join(f"`run.{key}={value}`" for key, value in pairs),
+            # run_a_b_1_run_c_2: run.a_b=1, run.c=2 (gpu_check's name of S3_SETS=run.a_b=1,run.c=2); another
+            # name as it is
+            pairs = [p.rsplit("_", 1) for p in ("_" + extra).split("_run_")[1:]] if extra.startswith("run_") else []
+            named = ", ".join(f"`run.{key}={value}`" for key, value in pairs) if pairs else f"`{extra}`"
+            lines.append(row(label, "+1", f"S3, {named}",
                              load(f"{folder}/detect_coco_s3_{extra}_summary"),
                              load(f"{folder}/detect_coco_disk_1_summary")))
     s = load(f"{S3_RUNS[-1][1]}/detect_coco_s3_1_summary")

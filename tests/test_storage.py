@@ -100,6 +100,12 @@ def test_s3_objects_come_through_obstore_and_what_it_fails_through_s3fs(s3, monk
         assert storage.FAST[(id(fs), "photos")] is not None and (id(fs), "photos") in storage.SERVED
         assert sorted(storage.fast_find(fs, "photos/set/")) == sorted(fs.find("photos/set/"))  # listed by obstore
 
+        read = storage.read_url(urls[0])  # one object, as draw_detections reads a record's URL: bytes
+        assert type(read) is bytes and read == truth[urls[0]]
+        from pipeline.draw import draw_detections
+        local = draw_detections({"path": str(SAMPLES / IMAGES[0]), "detections": []})
+        assert draw_detections({"path": urls[0], "detections": []}).tobytes() == local.tobytes()
+
         storage.SERVED.discard((id(fs), "photos"))  # as if new: a store that has never answered, here unreachable
         closed = f"http://127.0.0.1:{free_port()}"
         storage.FAST[(id(fs), "photos")] = S3Store("photos", endpoint=closed, region="us-east-1", skip_signature=True,
