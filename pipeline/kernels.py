@@ -78,8 +78,8 @@ def compile_ahead(device: torch.device, *, row_max_inputs: Iterable[tuple[torch.
     """Compile, on a thread of its own, the kernels a postprocess on `device` will launch:
     suppressor_words, fixed_point, and row_max for each (dtype, C) of its input's [..., C].
     Compiling launches nothing and loads nothing onto the GPU, so it can run beside ORT's warm-up
-    and the CUDA graph ORT captures there. A kernel's first call waits for this thread. A compile that fails here is
-    left for that first call to meet and report."""
+    and the CUDA graph ORT captures there. A kernel's first call waits for this thread. A compile
+    that fails here is left for that first call to meet and report."""
     if triton is None or INTERPRET or device.type != "cuda":
         return
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
@@ -127,15 +127,24 @@ def _compiled_ahead(device: torch.device) -> None:
             thread.join()
 
 
+def _launched(name: str, device: torch.device, launch: Callable, *args):
+    """launch(*args) on `device`, once compile_ahead's compile for it is done; None where it
+    fails, the kernel `name` given up (_give_up)."""
+    try:
+        _compiled_ahead(device)
+        with _on(device):
+            return launch(*args)
+    except Exception as e:  # no C compiler for Triton's launcher, a GPU it does not know
+        _give_up(name, e)
+    return None
+
+
 def row_max(x: torch.Tensor) -> torch.Tensor:
     """x.amax(dim=-1), for a contiguous x of any shape [..., C]."""
     if _usable("row_max", x) and x.is_contiguous() and x.numel():
-        try:
-            _compiled_ahead(x.device)
-            with _on(x.device):
-                return _row_max(x)
-        except Exception as e:  # no C compiler for Triton's launcher, a GPU it does not know
-            _give_up("row_max", e)
+        found = _launched("row_max", x.device, _row_max, x)
+        if found is not None:
+            return found
     return x.amax(dim=-1)
 
 
@@ -145,12 +154,7 @@ def suppressor_words(boxes: torch.Tensor, classes: torch.Tensor, *, iou_threshol
     and overlaps it by IoU > iou_threshold. boxes [B, K, 4] x1y1x2y2, classes [B, K] int. None
     where the kernel cannot run (the caller runs the torch ops)."""
     if _usable("suppressor_words", boxes, classes) and boxes.numel():
-        try:
-            _compiled_ahead(boxes.device)
-            with _on(boxes.device):
-                return _suppressor_words(boxes.float(), classes, iou_threshold)
-        except Exception as e:
-            _give_up("suppressor_words", e)
+        return _launched("suppressor_words", boxes.device, _suppressor_words, boxes.float(), classes, iou_threshold)
     return None
 
 
@@ -159,12 +163,7 @@ def fixed_point(rows: torch.Tensor, valid: torch.Tensor, steps: int) -> tuple[to
     converged [B] bool (the last step changed nothing). rows: int64 [B, K, ceil(K / 64)]. None
     where the kernel cannot run (the caller runs the torch ops)."""
     if _usable("fixed_point", rows, valid) and valid.numel() and steps > 0:
-        try:
-            _compiled_ahead(rows.device)
-            with _on(rows.device):
-                return _fixed_point(rows.contiguous(), valid, steps)
-        except Exception as e:
-            _give_up("fixed_point", e)
+        return _launched("fixed_point", rows.device, _fixed_point, rows.contiguous(), valid, steps)
     return None
 
 
@@ -245,9 +244,8 @@ def _fixed_point(rows: torch.Tensor, valid: torch.Tensor, steps: int) -> tuple[t
     flags = valid.to(torch.int8, memory_format=torch.contiguous_format)  # read as [B, K] rows
     # Two sets of kept words, each step reading one and writing the other. From none kept (nothing
     # suppresses), the first launch gives valid's words: the torch steps' start; `steps` more follow.
-    kept = [torch.zeros(batch, words, dtype=torch.int64, device=rows.device), torch.empty(batch, words,
-                                                                                           dtype=torch.int64,
-                                                                                           device=rows.device)]
+    start = torch.zeros(batch, words, dtype=torch.int64, device=rows.device)
+    kept = [start, torch.empty_like(start)]
     for step in range(steps + 1):
         _fixed_point_kernel[(batch, words)](rows, flags, kept[step % 2], kept[(step + 1) % 2], k, words,
                                             **_fixed_point_constants(words))

@@ -35,6 +35,13 @@ def num(value: float, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
 
+def passes(report: dict, digits: int = 0) -> str:
+    """A `gpudet bench` report's loop rate of each pass, comma-separated (its median alone where a
+    report has no passes)."""
+    return ", ".join(num(p, digits) for p in report.get("gpudet_passes_images_per_s",
+                                                        [report["images_per_s"]["gpudet"]]))
+
+
 def retinaface_table() -> str:
     rows = [("the default, `retinaface_mnet025.yaml`", "retinaface_default"),
             ("the default, again on a later tree (one pass)", "retinaface_default_2"),
@@ -53,10 +60,9 @@ def retinaface_table() -> str:
     for label, name in rows:
         r = load(name)
         rates, setup = r["images_per_s"], r["gpudet_setup_s"]
-        passes = ", ".join(num(p) for p in r.get("gpudet_passes_images_per_s", [rates["gpudet"]]))
         took = f"{setup['since_start']:.1f} s from the command" if "since_start" in setup else \
             f"{setup['detector']:.1f} s building the detector"
-        lines.append(f"| {label} | {r['tree']['commit']} | **{num(rates['gpudet'])}** ({passes}) | {took} | "
+        lines.append(f"| {label} | {r['tree']['commit']} | **{num(rates['gpudet'])}** ({passes(r)}) | {took} | "
                      f"{num(rates['model'])} | {num(rates['preprocess'])} | {num(rates.get('naive', 0), 1)} | "
                      f"{r['gpudet_stages_s']['gpu_utilisation_percent']:.0f}% |")
     r = load("retinaface_default")
@@ -137,7 +143,7 @@ def retinanet_table() -> str:
         r = load(name)
         rates = r["images_per_s"]
         lines.append(f"| {label} | {r['tree']['commit']} | {r.get('detections_per_image', 'not reported')} | "
-                     f"{num(rates['gpudet'], 1)} ({', '.join(num(p, 1) for p in r['gpudet_passes_images_per_s'])}) | "
+                     f"{num(rates['gpudet'], 1)} ({passes(r, 1)}) | "
                      f"{num(rates['model'], 1)} | {rates['gpudet'] / rates['model']:.2f}x | {num(rates['preprocess'])} | "
                      f"{r['gpudet_stages_s']['gpu_utilisation_percent']:.0f}% |")
     r = load(RETINANET_BENCH_RUNS[-1][1])
@@ -346,7 +352,7 @@ def threads_table() -> str:
     for run in r["runs"]:
         rates = run["images_per_s"]
         lines.append(f"| {run['set'].replace('--set ', '') or 'none (the default)'} | "
-                     f"{', '.join(num(p) for p in run['gpudet_passes_images_per_s'])} | {num(rates['preprocess'])} | "
+                     f"{passes(run)} | {num(rates['preprocess'])} | "
                      f"{num(rates['model'])} | {run['gpu_utilisation_percent']:.0f}% |")
     return "\n".join(lines + ["", f"{r['what']}; {r['machine']['gpus'][0]}, tree {r['tree']['commit']}, "
                                f"{r['runs'][0]['date'][:10]}. Command: `{shorten(r['runs'][0]['command'])}`, "
@@ -361,8 +367,7 @@ def cpu_table() -> str:
     for label, name in rows:
         r = load(name)
         rates = r["images_per_s"]
-        passes = ", ".join(num(p, 1) for p in r["gpudet_passes_images_per_s"])
-        lines.append(f"| {label} ({r['gpudet']['commit'][:7]}) | **{num(rates['gpudet'], 1)}** ({passes}) | "
+        lines.append(f"| {label} ({r['gpudet']['commit'][:7]}) | **{num(rates['gpudet'], 1)}** ({passes(r, 1)}) | "
                      f"{num(rates['model'], 1)} | {num(rates['preprocess'], 1)} | {num(rates['naive'], 1)} | "
                      f"**{r['ratios']['gpudet / naive']:.2f}x** | {r['job_wall_s']:.2f} s |")
     r = load(rows[-1][1])
@@ -459,7 +464,7 @@ def yolo_table() -> str:
         r = load(name)
         rates, stages = r["images_per_s"], r["gpudet_stages_s"]
         lines.append(f"| {label} | {r['tree']['commit']} | {gpu_name(r)} | **{num(rates['gpudet'], 1)}** "
-                     f"({', '.join(num(p, 1) for p in r['gpudet_passes_images_per_s'])}) | {num(rates['model'], 1)} | "
+                     f"({passes(r, 1)}) | {num(rates['model'], 1)} | "
                      f"{num(rates['preprocess'], 1)} | **{rates['gpudet'] / rates['model']:.2f}x** | "
                      f"{r['detections_per_image']} | {stages['postprocess']:.2f} s | "
                      f"{stages['gpu_utilisation_percent']:.0f}% | {r['machine']['python_loop_ms']:.1f} ms |")
@@ -488,7 +493,7 @@ def streams_table() -> str:
             r = load(f"h200_ab_streams/crops_{commit}_{round_}")
             rates = r["images_per_s"]
             lines.append(f"| {commit}: {label} | {round_} | **{num(rates['gpudet'])}** "
-                         f"({', '.join(num(p) for p in r['gpudet_passes_images_per_s'])}) | {num(rates['model'])} | "
+                         f"({passes(r)}) | {num(rates['model'])} | "
                          f"{num(rates['preprocess'])} | {r['gpudet_stages_s']['gpu_utilisation_percent']:.0f}% | "
                          f"{r['machine']['python_loop_ms']:.1f} ms |")
     return "\n".join(lines + ["", f"The default config (RetinaFace) over the {r['images']} crops, {gpu_name(r)}, "
@@ -506,8 +511,7 @@ def batch_table() -> str:
     for label, name in COCO_BATCHES:
         r = load(name)
         rates, stages = r["images_per_s"], r["gpudet_stages_s"]
-        passes = ", ".join(num(p) for p in r["gpudet_passes_images_per_s"])
-        lines.append(f"| {label} | **{num(rates['gpudet'])}** ({passes}) | {num(rates['preprocess'])} | "
+        lines.append(f"| {label} | **{num(rates['gpudet'])}** ({passes(r)}) | {num(rates['preprocess'])} | "
                      f"{num(rates['model'])} | **{rates['gpudet'] / rates['preprocess']:.2f}x** | "
                      f"{r['gpudet_setup_s']['since_start']:.1f} s | {stages['preprocess']:.2f} s / "
                      f"{stages['postprocess']:.2f} s | {stages['gpu_utilisation_percent']:.0f}% |")
