@@ -246,9 +246,9 @@ def _fixed_point(rows: torch.Tensor, valid: torch.Tensor, steps: int) -> tuple[t
     # suppresses), the first launch gives valid's words: the torch steps' start; `steps` more follow.
     start = torch.zeros(batch, words, dtype=torch.int64, device=rows.device)
     kept = [start, torch.empty_like(start)]
+    constants = _fixed_point_constants(words)
     for step in range(steps + 1):
-        _fixed_point_kernel[(batch, words)](rows, flags, kept[step % 2], kept[(step + 1) % 2], k, words,
-                                            **_fixed_point_constants(words))
+        _fixed_point_kernel[(batch, words)](rows, flags, kept[step % 2], kept[(step + 1) % 2], k, words, **constants)
     last, before = kept[(steps + 1) % 2], kept[steps % 2]
     bits = (last[:, :, None] >> torch.arange(64, device=rows.device)) & 1  # [B, W, 64]: bit t of word w
     return bits.reshape(batch, -1)[:, :k].bool(), (last == before).all(dim=1)
