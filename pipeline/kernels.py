@@ -11,8 +11,8 @@ memory traffic or launches it avoids, with the same answer (tests/test_kernels.p
     fixed_point(...)        nms.fixed_point's steps without a host check: a step is one kernel,
                             a program for each 64 rows of an image, which ANDs them with the kept
                             words, ORs each row, and packs the 64 answers into the next kept
-                            word, in place of five torch kernels (the int64 AND and any() over a
-                            row of 16 words took most of a YOLO11n batch's postprocess).
+                            word, in place of five torch kernels a step (an int64 AND and an
+                            any() over rows of a few words, a reduction torch runs slowly).
 
 Triton compiles a kernel on its first call (a second or two; later processes read it from
 Triton's cache, ~/.triton/cache or TRITON_CACHE_DIR). `compile_ahead` starts that compile on a
