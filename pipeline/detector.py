@@ -206,6 +206,7 @@ class Detector:
         files = clock.timed(read_chunks(batches, batch_size=self.batch_size, num_threads=self.num_threads,
                                         max_pixels=self.max_pixels, max_bytes=self.max_file_bytes, scaled=self.scaled,
                                         scaled_share=self.scaled_share, decode_threads=self.decode_threads,
+                                        lookahead=self.prefetch_batches,
                                         remote_requests=self.storage_requests,
                                         remote_ahead_bytes=self.storage_read_ahead_mb << 20,
                                         remote_processes=self.storage_processes), "read")

@@ -441,6 +441,10 @@ FLUSH = None
 when none is waiting; each stage hands on what it holds, then the mark."""
 
 
+REMOTE_SLACK = 4
+"""URL batches taken ahead per batch in flight: those answered wait there for an earlier one."""
+
+
 def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_threads: int, max_pixels: int = 0,
                 max_bytes: int = 0, scaled: ScaledDecode | None = None, scaled_share: float = 1.0,
                 decode_threads: int = 1, lookahead: int = 2, remote_requests: int = 128,
@@ -452,9 +456,11 @@ def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_thr
     (fewer hand-offs: on a 2-core machine one thread read twice as fast this way).
 
     A batch that holds URLs is one task on threads of its own: its objects are requested all at
-    once, and batches are read further ahead, so that about `remote_requests` requests are in
-    flight (an object store answers each after tens of milliseconds, a local disk at once), as far
-    as `remote_ahead_bytes` allows at the mean object size read so far. With remote_processes,
+    once, on as many threads as keep about `remote_requests` requests in flight (an object store
+    answers each after milliseconds to tens of them, a local disk at once). Batches are taken
+    REMOTE_SLACK times further ahead than that, as far as `remote_ahead_bytes` allows at the mean
+    object size read so far, so that a batch whose answer comes late holds back only itself: the
+    threads go on to the next batches while this one waits for it in order. With remote_processes,
     the objects are fetched in that many processes of their own (fetching.py), started at the
     first URL, so that the GIL this process's threads hold does not hold them back.
 
@@ -466,7 +472,7 @@ def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_thr
     pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="gpudet-read")
     decoders = ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="gpudet-decode") if scaled else None
     remote_batches = -(-remote_requests // batch_size)  # batches of URLs in flight: about remote_requests requests
-    most_ahead = max(lookahead, remote_batches)
+    most_ahead = max(lookahead, REMOTE_SLACK * remote_batches)
     # a batch's requests a thread (threads start as needed)
     fetchers = ThreadPoolExecutor(max_workers=remote_batches, thread_name_prefix="gpudet-fetch")
     processes = None
