@@ -121,7 +121,7 @@ class _Child:
                 return future
             self.pending[key] = future
         try:
-            send(self.socket, pickle.dumps((key, urls)), b"")
+            send(self.socket, pickle.dumps((key, urls)))
         except OSError:  # the process ended: its reader answers GONE for what it holds
             with self.pending_lock:
                 if self.pending.pop(key, None) is not None:
@@ -178,10 +178,17 @@ FRAME = struct.Struct("<QQ")
 """A message's frame: the sizes of its pickled head and of the raw bytes after it."""
 
 
-def send(sock: socket.socket, head: bytes, data: bytes) -> None:
-    sock.sendall(FRAME.pack(len(head), len(data)) + head)
-    if data:
-        sock.sendall(data)
+def send(sock: socket.socket, head: bytes, parts: list[storage.Buffer] = ()) -> None:
+    """A head, then `parts` one after another, each written from where it is (no copy of them
+    joined first)."""
+    views = [memoryview(part).cast("B") for part in parts]
+    buffers = [memoryview(FRAME.pack(len(head), sum(v.nbytes for v in views)) + head), *views]
+    while buffers:
+        sent = sock.sendmsg(buffers)
+        while buffers and sent >= buffers[0].nbytes:
+            sent -= buffers.pop(0).nbytes
+        if buffers:
+            buffers[0] = buffers[0][sent:]
 
 
 def receive(sock: socket.socket) -> tuple[bytes, memoryview]:
@@ -213,22 +220,22 @@ def serve(fd: int, threads: int, parent: int) -> None:
 
     def answer(key: int, urls: list[str]) -> None:
         try:
-            sizes, errors, data = [], {}, []
+            sizes, errors, parts = [], {}, []
             for url, value in storage.fetch(urls).items():
                 if isinstance(value, storage.Unreadable):
                     errors[url] = value
                 else:
-                    sizes.append((url, len(value)))
-                    data.append(value)
-            head, body = pickle.dumps((key, sizes, errors, None)), b"".join(data)
+                    sizes.append((url, memoryview(value).nbytes))
+                    parts.append(value)
+            head = pickle.dumps((key, sizes, errors, None))
         except GpudetError as e:  # CredentialsRefused, SourceError: raised in the parent
-            head, body = pickle.dumps((key, [], {}, e)), b""
+            head, parts = pickle.dumps((key, [], {}, e)), []
         except BaseException as e:  # noqa: BLE001 - every batch is answered: said in the parent, in one line
             failure = RuntimeError(f"fetching {len(urls)} objects: {type(e).__name__}: {one_line(e, 300)}")
-            head, body = pickle.dumps((key, [], {}, failure)), b""
+            head, parts = pickle.dumps((key, [], {}, failure)), []
         with sending:
             try:
-                send(sock, head, body)
+                send(sock, head, parts)
             except OSError:  # the parent is gone
                 os._exit(0)
 
