@@ -388,8 +388,12 @@ S3_RUNS = (("a batch's share per reading thread (32 requests in flight)", "s3/ae
            ("the same", "s3/97bd201"),
            ("the same, the server with `--buffer-size 0 --no-modtime --no-checksum`", "s3/97bd201_rclone_flags"),
            ("the same, the postprocess on a stream of its own", "s3/823931d"),
-           ("the same, objects fetched by blocking gets on threads (and the reverted NMS change)", "s3/e97c6b7"))
-"""`gpu_check.sh s3` runs, oldest first: (how that tree read the objects, its folder of summaries)."""
+           ("the same, objects fetched by blocking gets on threads (and the reverted NMS change)", "s3/e97c6b7"),
+           ("three trees in turn each round: the same", "s3/h100_e69c394"),
+           ("URL batches taken 4 times further ahead than those in flight", "s3/h100_ab76a21", "s3/h100_e69c394"),
+           ("the same, a batch's objects sent from where they are (sendmsg)", "s3/h100_64a5472"))
+"""`gpu_check.sh s3` runs, oldest first: (how that tree read the objects, its folder of summaries[, the
+folder whose disk run of the same round its S3 runs are compared with, where it ran none])."""
 
 
 def s3_table() -> str:
@@ -404,12 +408,12 @@ def s3_table() -> str:
         return (f"| {label} ({commit}) | {k} | {where} | {seconds['wall']:.1f} s | {seconds['startup']:.1f} s | "
                 f"{seconds['setup']:.1f} s | {num(s['images_per_s'])} img/s | {num(s['detections'])} |  {ratio} |")
 
-    for label, folder in S3_RUNS:
+    for label, folder, *other in S3_RUNS:
         names = sorted(p.stem.removeprefix("detect_coco_s3_").removesuffix("_summary")
                        for p in (BENCH / folder).glob("detect_coco_s3_*_summary.json"))
         for k in [n for n in names if n.isdigit()]:
-            disk, s3 = (load(f"{folder}/detect_coco_{where}_{k}_summary") for where in ("disk", "s3"))
-            lines += [row(label, k, "local disk", disk, None), row(label, k, "S3", s3, disk)]
+            disk, s3 = load(f"{(other or [folder])[0]}/detect_coco_disk_{k}_summary"), load(f"{folder}/detect_coco_s3_{k}_summary")
+            lines += ([] if other else [row(label, k, "local disk", disk, None)]) + [row(label, k, "S3", s3, disk)]
         for extra in [n for n in names if not n.isdigit()]:  # S3_SETS: one more S3 run each, against round 1's disk
             # run_a_b_1_run_c_2: run.a_b=1, run.c=2 (gpu_check's name of S3_SETS=run.a_b=1,run.c=2); another
             # name as it is
