@@ -178,13 +178,17 @@ FRAME = struct.Struct("<QQ")
 """A message's frame: the sizes of its pickled head and of the raw bytes after it."""
 
 
+SEND_BUFFERS = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16
+"""The most buffers one sendmsg takes (Linux: 1,024)."""
+
+
 def send(sock: socket.socket, head: bytes, parts: list[storage.Buffer] = ()) -> None:
     """A head, then `parts` one after another, each written from where it is (no copy of them
     joined first)."""
     views = [memoryview(part).cast("B") for part in parts]
     buffers = [memoryview(FRAME.pack(len(head), sum(v.nbytes for v in views)) + head), *views]
     while buffers:
-        sent = sock.sendmsg(buffers)
+        sent = sock.sendmsg(buffers[:SEND_BUFFERS])  # a batch may hold more objects than one call takes
         while buffers and sent >= buffers[0].nbytes:
             sent -= buffers.pop(0).nbytes
         if buffers:

@@ -741,6 +741,27 @@ def test_objects_fetched_in_processes_of_their_own_are_those_this_process_fetche
         storage.set_options([])
 
 
+def test_a_batch_of_more_objects_than_one_sendmsg_takes_comes_back_whole():
+    """fetching.send writes each object from where it is: a batch of more objects than one
+    sendmsg call takes buffers (IOV_MAX, 1,024 on Linux; run.batch_size goes to 4,096) is sent in
+    several calls, its bytes in order."""
+    from pipeline import fetching
+
+    parts = [bytes([i % 251]) * (1 + i % 7) for i in range(fetching.SEND_BUFFERS + 100)]
+    ours, theirs = socket.socketpair()
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fetching.receive(theirs)))
+    reader.start()
+    try:
+        fetching.send(ours, b"head", parts)
+        reader.join(timeout=30)
+        head, data = got[0]
+        assert head == b"head" and bytes(data) == b"".join(parts)
+    finally:
+        ours.close()
+        theirs.close()
+
+
 def test_an_unreadable_object_says_how_often_it_was_asked_for(flaky_server, monkeypatch):
     """A transient failure is tried TRIES times and says so; one that is not worth a second try
     (refused at once, a malformed request) does not claim tries it never made."""
