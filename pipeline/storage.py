@@ -29,9 +29,9 @@ import posixpath
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 from datetime import datetime, timedelta, timezone
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from . import lines
 from .errors import ConfigError, CredentialsRefused, SourceError, one_line
