@@ -409,11 +409,14 @@ def s3_table() -> str:
                 f"{seconds['setup']:.1f} s | {num(s['images_per_s'])} img/s | {num(s['detections'])} |  {ratio} |")
 
     for label, folder, *other in S3_RUNS:
+        disk_folder = other[0] if other else folder
         names = sorted(p.stem.removeprefix("detect_coco_s3_").removesuffix("_summary")
                        for p in (BENCH / folder).glob("detect_coco_s3_*_summary.json"))
         for k in [n for n in names if n.isdigit()]:
-            disk, s3 = load(f"{(other or [folder])[0]}/detect_coco_disk_{k}_summary"), load(f"{folder}/detect_coco_s3_{k}_summary")
-            lines += ([] if other else [row(label, k, "local disk", disk, None)]) + [row(label, k, "S3", s3, disk)]
+            disk, s3 = load(f"{disk_folder}/detect_coco_disk_{k}_summary"), load(f"{folder}/detect_coco_s3_{k}_summary")
+            if disk_folder == folder:  # a disk row of its own, else compared with the other tree's
+                lines.append(row(label, k, "local disk", disk, None))
+            lines.append(row(label, k, "S3", s3, disk))
         for extra in [n for n in names if not n.isdigit()]:  # S3_SETS: one more S3 run each, against round 1's disk
             # run_a_b_1_run_c_2: run.a_b=1, run.c=2 (gpu_check's name of S3_SETS=run.a_b=1,run.c=2); another
             # name as it is
