@@ -151,8 +151,9 @@ class RunConfig:
     one's threads (DALI's feeding, the model's launches, the writer) hold its GIL, which each
     fetched object needs. 0: fetched by this process's threads."""
     prefetch_batches: int = 2
-    """Batches DALI preprocesses ahead of the one the engine takes (each one more holds a batch
-    of encoded and decoded images and its model input in memory)."""
+    """Batches DALI preprocesses ahead of the one the engine takes, and batches of files read
+    ahead of DALI (each one more holds a batch of encoded and decoded images and its model input
+    in memory)."""
     pipeline_depth: int = 2
     """Batches past DALI at once, from the model to the writer, each with its own set of the
     model's output buffers (and, with cuda_graph, its own input buffer and captured graph). 2:
