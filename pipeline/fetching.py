@@ -43,22 +43,33 @@ GONE = object()
 """A batch's answer when its process ended before giving one."""
 
 
-class FetchProcesses:
-    """`processes` processes, each fetching up to `threads` batches at once; `fetch` as storage.fetch."""
+BATCHES = 256
+"""Batches one process fetches at once at most, each on a thread of its own (started as they are
+needed): the reader that asks bounds how many it has in flight (run.storage_requests)."""
 
-    def __init__(self, processes: int, threads: int):
+
+class FetchProcesses:
+    """`processes` processes that fetch the batches asked of them; `fetch` as storage.fetch.
+    prepare: a URL whose clients each process makes as it starts (storage.prepare), before any
+    batch is asked for."""
+
+    def __init__(self, processes: int, prepare: str | None = None):
         self._lock = threading.Lock()
         self._keys = itertools.count()
         self._children: list[_Child] = []
         self.broken = self.closed = False
         try:
             for _ in range(processes):
-                self._children.append(_Child(threads))
+                self._children.append(_Child(prepare))
         except (OSError, ValueError) as e:  # no process to start (limits, memory, no interpreter path)
             for child in self._children:  # those started are let go
                 child.close()
             self.broken = True
             log.warning("cannot start a process to fetch objects (%s); fetching them in this one", one_line(e, 200))
+
+    @property
+    def processes(self) -> int:
+        return len(self._children)
 
     def fetch(self, urls: list[str]) -> dict[str, storage.Buffer | storage.Unreadable]:
         if not self.broken:
@@ -86,17 +97,45 @@ class FetchProcesses:
             child.close()
 
 
+_early: list[FetchProcesses] = []
+
+
+def start_early(processes: int, url: str) -> None:
+    """Start the fetching processes a run's reader takes (`started`), each making `url`'s clients,
+    while the caller sets up its detector: a process's interpreter, its imports and its clients
+    take a few tenths of a second, which the run's first batches would wait for."""
+    drop_early()
+    _early.append(FetchProcesses(processes, prepare=url))
+
+
+def started(processes: int) -> FetchProcesses:
+    """The processes start_early started, handed over once where as many are asked for; else
+    `processes` new ones."""
+    early = _early.pop() if _early else None
+    if early is not None and (early.processes == processes or early.broken):  # broken: said once, here in turn
+        return early
+    if early is not None:
+        early.close()
+    return FetchProcesses(processes)
+
+
+def drop_early() -> None:
+    """Let go of processes start_early started that no reader took."""
+    while _early:
+        _early.pop().close()
+
+
 class _Child:
     """One fetching process, the socket to it and the batches it has not answered yet."""
 
-    def __init__(self, threads: int):
+    def __init__(self, prepare: str | None):
         if not sys.executable:
             raise ValueError("this interpreter does not know its own path (sys.executable)")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # -P: not the working folder first on the path; then exactly this process's path, so that
         # the process imports this gpudet and these back-ends, whether a checkout, a wheel or a notebook's
         code = (f"import json, sys; sys.path[:] = json.loads(sys.argv[1]); from {__package__}.fetching import serve; "
-                f"serve({theirs.fileno()}, {threads}, {os.getpid()})")
+                f"serve({theirs.fileno()}, {os.getpid()})")
         try:
             self.process = subprocess.Popen([sys.executable, "-P", "-c", code, json.dumps(sys.path)],
                                             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
@@ -112,14 +151,18 @@ class _Child:
         """False once the reader has stopped: a batch asked for then is GONE at once."""
         self.reader = threading.Thread(target=self._read, name="gpudet-fetch-answers", daemon=True)
         self.reader.start()
+        if prepare is not None:
+            self.ask(None, [prepare])  # answered by none: the process makes the URL's clients
 
-    def ask(self, key: int, urls: list[str]) -> Future:
+    def ask(self, key: int | None, urls: list[str]) -> Future:
+        """The answer to `urls` (key None: storage.prepare them, no answer)."""
         future = Future()
         with self.pending_lock:
             if not self.answering:
                 future.set_result((None, GONE))
                 return future
-            self.pending[key] = future
+            if key is not None:
+                self.pending[key] = future
         try:
             send(self.socket, pickle.dumps((key, urls)))
         except OSError:  # the process ended: its reader answers GONE for what it holds
@@ -213,10 +256,11 @@ def exactly(sock: socket.socket, size: int) -> memoryview:
     return buffer
 
 
-def serve(fd: int, threads: int, parent: int) -> None:
-    """A fetching process's loop: each batch that comes in, fetched on one of `threads` threads,
-    its answer sent back: a head (key, [(url, size)], {url: Unreadable}, error) and the fetched
-    bytes one after another. Ends when the parent closes the socket or dies."""
+def serve(fd: int, parent: int) -> None:
+    """A fetching process's loop: each batch that comes in, fetched on a thread of its own, its
+    answer sent back: a head (key, [(url, size)], {url: Unreadable}, error) and the fetched bytes
+    one after another; a batch without a key, prepared for (storage.prepare), unanswered. Ends
+    when the parent closes the socket or dies."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
     die_with(parent)
     sock = socket.socket(fileno=fd)
@@ -243,10 +287,15 @@ def serve(fd: int, threads: int, parent: int) -> None:
             except OSError:  # the parent is gone
                 os._exit(0)
 
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="gpudet-fetch")
+    pool = ThreadPoolExecutor(BATCHES, thread_name_prefix="gpudet-fetch")
     while True:
         try:
             head, _ = receive(sock)
         except (EOFError, OSError):
             os._exit(0)  # the parent is done: batches in flight are dropped
-        pool.submit(answer, *pickle.loads(head))
+        key, urls = pickle.loads(head)
+        if key is None:
+            for url in urls:
+                storage.prepare(url)
+        else:
+            pool.submit(answer, key, urls)

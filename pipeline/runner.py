@@ -6,8 +6,12 @@ folder through job.record_stream; the job around it is job.run_job's.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import islice
 
+from . import storage
 from .config import Config
 from .errors import decoder_level, last_record_written, signals_held, stderr_into_log
 from .folder import OutputFolder
@@ -37,20 +41,47 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, p
         from .detector import Detector
 
     t0 = time.perf_counter()  # this run's clock: the imports above count as the command's start
-    detector = Detector.from_config(config)
-    setup_s = time.perf_counter() - t0
-    clock = StageClock()
-    # What libraries print meanwhile goes through the log; the decoders' complaints about a bad file
-    # (lines that name no file; errors.jsonl names it) at debug, not onto stderr: a JPEG cut short
-    # prints a line per row it misses.
-    with stderr_into_log("library", decoder_level) as stderr, folder.writing(), \
-            tqdm(total=len(todo), unit="img", disable=not progress, file=stderr, dynamic_ncols=True) as bar:
-        try:
-            record_stream(detector, batched(todo, detector.batch_size), folder, clock=clock,
-                          on_rows=lambda rows: bar.update(len(rows)))
-        except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP: what was written stays; --resume continues
-            folder.tally.interrupted = True
-        last_record_written()  # closing the files and the summary go on whatever comes
+    with fetchers_started(todo, config):
+        detector = Detector.from_config(config)
+        setup_s = time.perf_counter() - t0
+        clock = StageClock()
+        # What libraries print meanwhile goes through the log; the decoders' complaints about a bad file
+        # (lines that name no file; errors.jsonl names it) at debug, not onto stderr: a JPEG cut short
+        # prints a line per row it misses.
+        with stderr_into_log("library", decoder_level) as stderr, folder.writing(), \
+                tqdm(total=len(todo), unit="img", disable=not progress, file=stderr, dynamic_ncols=True) as bar:
+            try:
+                record_stream(detector, batched(todo, detector.batch_size), folder, clock=clock,
+                              on_rows=lambda rows: bar.update(len(rows)))
+            except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP: what was written stays; --resume continues
+                folder.tally.interrupted = True
+            last_record_written()  # closing the files and the summary go on whatever comes
     model_batch = detector.engine.run_batch or detector.batch_size
     return Outcome(device=detector.device.describe(), setup_s=setup_s, clock_start=t0, stages=dict(clock.seconds),
                    model=detector.describe(), extra=lambda: {"model_batch": model_batch})
+
+
+@contextmanager
+def fetchers_started(todo: list[ImageRef], config: Config) -> Iterator[None]:
+    """A block that builds the detector and runs it over `todo`: where `todo` holds a URL (within
+    its first FIRST_URL_WITHIN), the processes that fetch the objects (run.storage_processes)
+    start as the block does, each making that URL's clients while the detector is built, and the
+    reader takes them at its first batch (fetching.started); those it did not take are let go at
+    the block's end."""
+    url = next((ref.path for ref in islice(todo, FIRST_URL_WITHIN) if storage.is_url(ref.path)), None)
+    run = config.run
+    if url is None or not run.storage_processes:
+        yield
+        return
+    from . import fetching
+
+    fetching.start_early(min(run.storage_processes, -(-run.storage_requests // run.batch_size)), url)
+    try:
+        yield
+    finally:
+        fetching.drop_early()
+
+
+FIRST_URL_WITHIN = 10_000
+"""How far into a run's images fetchers_started looks for a URL (a list of local files is not
+walked whole)."""

@@ -484,10 +484,9 @@ def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_thr
             count += 1
             if any(isinstance(i, ImageRef) and storage.is_url(i.path) for i in chunk):
                 if remote_processes and processes is None:
-                    from .fetching import FetchProcesses
+                    from .fetching import started
 
-                    processes = FetchProcesses(min(remote_processes, remote_batches),
-                                               -(-remote_batches // remote_processes))
+                    processes = started(min(remote_processes, remote_batches))
                 fetch = processes.fetch if processes else None
                 return [fetchers.submit(read_all, chunk, max_pixels, max_bytes, here, decoders, fetch)], True
             return [pool.submit(read_all, chunk[i:i + step], max_pixels, max_bytes, here, decoders)

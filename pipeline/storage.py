@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import posixpath
 import re
@@ -38,6 +39,8 @@ from .errors import ConfigError, CredentialsRefused, SourceError, one_line
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc's from Python 3.12
+
+log = logging.getLogger("gpudet")
 
 SCHEMES = {"s3": "s3fs and obstore (pip install 'gpudet[s3]')", "gs": "gcsfs (pip install 'gpudet[gcs]')",
            "gcs": "gcsfs (pip install 'gpudet[gcs]')", "az": "adlfs (pip install 'gpudet[azure]')",
@@ -132,6 +135,18 @@ def fs_of(url: str):
     # --storage-option is for the object stores: aiohttp takes none of their keys (endpoint_url)
     fs = filesystem(name, json.dumps({} if protocol in ("http", "https") else options(), sort_keys=True))
     return fs, url if protocol in ("http", "https") else fs._strip_protocol(url)
+
+
+def prepare(url: str) -> None:
+    """What a fetch of `url` needs made, made now, without a request: its back-end imported, its
+    filesystem and credentials found, obstore's store built (a few tenths of a second in a
+    fresh process). A problem is left for the fetch to meet and record."""
+    try:
+        fs, path = fs_of(url)
+        if type(fs).__name__ == "S3FileSystem":
+            fast_store(fs, path.split("/", 1)[0])
+    except Exception as e:  # noqa: BLE001 - the fetch meets it again, and records it
+        log.debug("%s: not prepared ahead of its fetch: %s", url, e)
 
 
 def url_of(fs, path: str, like: str) -> str:

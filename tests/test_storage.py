@@ -722,7 +722,7 @@ def test_objects_fetched_in_processes_of_their_own_are_those_this_process_fetche
         urls = [f"s3://photos/set/{name}" for name in IMAGES] + ["s3://photos/set/none.jpg"]
         truth = plain(storage.fetch(urls))
         assert truth[urls[-1]] == "missing" and all(isinstance(truth[url], bytes) for url in urls[:-1])
-        processes = FetchProcesses(2, 2)
+        processes = FetchProcesses(2)
         assert [plain(processes.fetch(urls)) for _ in range(4)] == [truth] * 4 and not processes.broken
         killed = processes._children[0].process
         killed.kill()
@@ -733,11 +733,54 @@ def test_objects_fetched_in_processes_of_their_own_are_those_this_process_fetche
             child.reader.join(timeout=10)
             assert child.process.wait(timeout=10) is not None
         monkeypatch.setattr(sys, "executable", "")  # no process can start: this one fetches
-        processes = FetchProcesses(2, 2)
+        processes = FetchProcesses(2)
         assert processes.broken and plain(processes.fetch(urls)) == truth
     finally:
         if processes is not None:
             processes.close()
+        storage.set_options([])
+
+
+def test_processes_started_early_are_those_the_reader_takes(s3, monkeypatch):
+    """fetching.start_early starts the processes while the detector is built, each making its
+    clients then (storage.prepare: obstore's store here, without a request); `started` hands them
+    over once where as many are asked for, and lets them go for new ones where not."""
+    from pipeline import fetching, storage
+
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(storage, "FAST", {})  # no store an earlier test made or gave up on
+    storage.set_options([f"endpoint_url={s3}"])
+    taken = []
+    try:
+        urls = [f"s3://photos/set/{name}" for name in IMAGES]
+        storage.prepare(urls[0])
+        fs, _ = storage.fs_of(urls[0])
+        assert storage.FAST[(id(fs), "photos")] is not None  # the store, made before any fetch
+        truth = {url: bytes(value) for url, value in storage.fetch(urls).items()}
+
+        fetching.start_early(2, urls[0])
+        early = fetching._early[0]
+        taken.append(fetching.started(2))
+        assert taken[0] is early and not fetching._early
+        assert {url: bytes(value) for url, value in taken[0].fetch(urls).items()} == truth
+        taken.append(fetching.started(2))  # none started early any more: new ones
+        assert taken[1] is not early and taken[1].processes == 2
+
+        fetching.start_early(2, urls[0])
+        early = fetching._early[0]
+        taken.append(fetching.started(1))  # not as many: the early ones go
+        assert taken[2].processes == 1 and early.closed
+        for child in early._children:
+            assert child.process.wait(timeout=10) is not None
+        fetching.start_early(2, urls[0])
+        early = fetching._early[0]
+        fetching.drop_early()
+        assert early.closed and not fetching._early
+    finally:
+        for processes in taken:
+            processes.close()
+        fetching.drop_early()
         storage.set_options([])
 
 
