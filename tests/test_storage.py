@@ -784,6 +784,31 @@ def test_processes_started_early_are_those_the_reader_takes(s3, monkeypatch):
         storage.set_options([])
 
 
+def test_a_run_over_urls_starts_its_fetching_processes_while_the_detector_is_built():
+    """runner.fetchers_started: a run whose images include a URL starts run.storage_processes
+    processes for the block that builds its detector (as many as the reader will ask for), and
+    lets go of those no reader took at the block's end; a run of local files, or one with
+    storage_processes 0, starts none."""
+    from pipeline import fetching
+    from pipeline.config import load_config
+    from pipeline.results import ImageRef
+    from pipeline.runner import fetchers_started
+
+    config = load_config(None)
+    local = [ImageRef(i, str(SAMPLES / name)) for i, name in enumerate(IMAGES)]
+    mixed = local + [ImageRef(len(local), "s3://photos/set/a.jpg")]
+    with fetchers_started(local, config):
+        assert not fetching._early
+    with fetchers_started(mixed, load_config(None, ["run.storage_processes=0"])):
+        assert not fetching._early
+    with fetchers_started(mixed, config):
+        (early,) = fetching._early
+        assert early.processes == config.run.storage_processes and not early.broken
+    assert early.closed and not fetching._early
+    for child in early._children:
+        assert child.process.wait(timeout=10) is not None
+
+
 def test_a_batch_of_more_objects_than_one_sendmsg_takes_comes_back_whole():
     """fetching.send writes each object from where it is: a batch of more objects than one
     sendmsg call takes buffers (IOV_MAX, 1,024 on Linux; run.batch_size goes to 4,096) is sent in
