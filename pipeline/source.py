@@ -461,8 +461,9 @@ def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_thr
     REMOTE_SLACK times further ahead than that, as far as `remote_ahead_bytes` allows at the mean
     object size read so far, so that a batch whose answer comes late holds back only itself: the
     threads go on to the next batches while this one waits for it in order. With remote_processes,
-    the objects are fetched in that many processes of their own (fetching.py), started at the
-    first URL, so that the GIL this process's threads hold does not hold them back.
+    the objects are fetched in that many processes of their own (fetching.py): those
+    fetching.start_early started, else ones started at the first URL; so that the GIL this
+    process's threads hold does not hold them back.
 
     scaled: the large JPEGs of `scaled_share` of the batches (spread evenly: batch k when
     floor((k + 1) * share) > floor(k * share)) are decoded at a reduced scale on decode_threads

@@ -391,7 +391,9 @@ S3_RUNS = (("a batch's share per reading thread (32 requests in flight)", "s3/ae
            ("the same, objects fetched by blocking gets on threads (and the reverted NMS change)", "s3/e97c6b7"),
            ("three trees in turn each round: the same", "s3/h100_e69c394"),
            ("URL batches taken 4 times further ahead than those in flight", "s3/h100_ab76a21", "s3/h100_e69c394"),
-           ("the same, a batch's objects sent from where they are (sendmsg)", "s3/h100_64a5472"))
+           ("the same, a batch's objects sent from where they are (sendmsg)", "s3/h100_64a5472"),
+           ("two trees in turn each round: the same", "s3/h100_0367ed8", "s3/h100_65ac081"),
+           ("the fetching processes started while the detector is built", "s3/h100_65ac081"))
 """`gpu_check.sh s3` runs, oldest first: (how that tree read the objects, its folder of summaries[, the
 folder whose disk run of the same round its S3 runs are compared with, where it ran none])."""
 
@@ -431,7 +433,9 @@ def s3_table() -> str:
                                "`rclone serve s3` on the same machine serving the same folder (`s3://coco/`, "
                                "`--storage-option endpoint_url=...`), in turn; the aef1a51 run on an H200, the "
                                f"others on an H100; 16 cores; {s['started'][:10]}. Command: `scripts/gpu_check.sh s3` "
-                               "(`S3_SETS=KEY=VALUE,...`: the +1 rows, each against its tree's first disk run)."])
+                               "(`S3_SETS=KEY=VALUE,...`: the +1 rows, each against its tree's first disk run); "
+                               "the two trees of the last rows ran the same `gpudet detect` commands from their own "
+                               "folders, the `again` row a third time after round 1."])
 
 
 YOLO_RUNS = (("YOLO11n, kernel by kernel", "h100/yolo11n_seeded"),
