@@ -112,7 +112,8 @@ def started(processes: int) -> FetchProcesses:
     """The processes start_early started, handed over once where as many are asked for; else
     `processes` new ones."""
     early = _early.pop() if _early else None
-    if early is not None and (early.processes == processes or early.broken):  # broken: said once, here in turn
+    # broken: none could start, which it has said once; its fetches fall back to this process
+    if early is not None and (early.processes == processes or early.broken):
         return early
     if early is not None:
         early.close()

@@ -17,7 +17,7 @@ from .errors import decoder_level, last_record_written, signals_held, stderr_int
 from .folder import OutputFolder
 from .job import Outcome, RunOptions, record_stream
 from .results import ImageRef
-from .source import batched
+from .source import batched, fetch_processes
 from .timing import StageClock
 
 
@@ -75,7 +75,7 @@ def fetchers_started(todo: list[ImageRef], config: Config) -> Iterator[None]:
         return
     from . import fetching
 
-    fetching.start_early(min(run.storage_processes, -(-run.storage_requests // run.batch_size)), url)
+    fetching.start_early(fetch_processes(run.storage_processes, run.storage_requests, run.batch_size), url)
     try:
         yield
     finally:

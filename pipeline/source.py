@@ -445,6 +445,17 @@ REMOTE_SLACK = 4
 """URL batches taken ahead per batch in flight: those answered wait there for an earlier one."""
 
 
+def remote_batches(requests: int, batch_size: int) -> int:
+    """URL batches read_chunks has in flight: about `requests` requests."""
+    return -(-requests // batch_size)
+
+
+def fetch_processes(processes: int, requests: int, batch_size: int) -> int:
+    """The fetching processes read_chunks asks for (fetching.started): `processes`, at most one a
+    batch in flight."""
+    return min(processes, remote_batches(requests, batch_size))
+
+
 def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_threads: int, max_pixels: int = 0,
                 max_bytes: int = 0, scaled: ScaledDecode | None = None, scaled_share: float = 1.0,
                 decode_threads: int = 1, lookahead: int = 2, remote_requests: int = 128,
@@ -472,10 +483,10 @@ def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_thr
     step = -(-batch_size // max(1, num_threads))
     pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="gpudet-read")
     decoders = ThreadPoolExecutor(max_workers=decode_threads, thread_name_prefix="gpudet-decode") if scaled else None
-    remote_batches = -(-remote_requests // batch_size)  # batches of URLs in flight: about remote_requests requests
-    most_ahead = max(lookahead, REMOTE_SLACK * remote_batches)
+    in_flight = remote_batches(remote_requests, batch_size)
+    most_ahead = max(lookahead, REMOTE_SLACK * in_flight)
     # a batch's requests a thread (threads start as needed)
-    fetchers = ThreadPoolExecutor(max_workers=remote_batches, thread_name_prefix="gpudet-fetch")
+    fetchers = ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="gpudet-fetch")
     processes = None
     count = objects = object_bytes = 0
     try:
@@ -487,7 +498,7 @@ def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_thr
                 if remote_processes and processes is None:
                     from .fetching import started
 
-                    processes = started(min(remote_processes, remote_batches))
+                    processes = started(fetch_processes(remote_processes, remote_requests, batch_size))
                 fetch = processes.fetch if processes else None
                 return [fetchers.submit(read_all, chunk, max_pixels, max_bytes, here, decoders, fetch)], True
             return [pool.submit(read_all, chunk[i:i + step], max_pixels, max_bytes, here, decoders)
