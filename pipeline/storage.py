@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import posixpath
+import random
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +52,9 @@ URL = re.compile(r"([a-z][a-z0-9+.-]*)://", re.IGNORECASE)
 OPTIONS_VARIABLE = "GPUDET_STORAGE_OPTIONS"
 TRIES = 5
 BACKOFF_S = 0.2
-"""The first retry's wait; each next one waits twice as long."""
+"""The first retry's wait, on average; each next one twice as long. Each wait is drawn within
+half of that either way, so that fetchers which failed together (a throttled store) do not all
+try again together."""
 FETCH_THREADS = 256
 """Requests one process has in flight at most on obstore's path (fast_fetch)."""
 
@@ -434,7 +437,7 @@ def fetch(urls: list[str]) -> dict[str, Buffer | Unreadable]:
                     results[paths[path]] = classified(error, tries=attempt + 1)
             if not again:
                 break
-            time.sleep(wait)
+            time.sleep(wait * random.uniform(0.5, 1.5))
             todo, wait = again, wait * 2
         refused = [url for url in paths.values() if getattr(results.get(url), "reason", None) == "forbidden"]
         if refused:
