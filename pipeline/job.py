@@ -3,7 +3,8 @@ detectors:
 
     run_job(source, config, options, executor)
       the output folder opened and held       folder.OutputFolder (its lock)
-      the source listed                       listing.list_images
+      the source listed                       listing.list_images (a URL source's while the
+                                              executor loads its libraries: Executor.load)
       what is left to do                      OutputFolder.begin (--resume, --overwrite)
       the model checked                       check_model: before anything in --out changes
       the executor run over it                how images reach detectors: this process
@@ -20,6 +21,7 @@ runs, `gpudet bench` and each Ray actor use.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -27,8 +29,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from . import storage
 from .config import Config, resolve_model_path
-from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, last_record_written
+from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, last_record_written, signals_held
 from .folder import OutputFolder, RunResult
 from .results import ImageRef
 from .sinks import Row
@@ -95,6 +98,10 @@ class Executor(Protocol):
 
     devices: list[str]
 
+    def load(self) -> None:
+        """What its run needs in this process, imported (this process's detector: torch, DALI,
+        ONNX Runtime), or nothing: run_job calls it while a URL source is listed."""
+
     def run(self, folder: OutputFolder, todo: list[ImageRef], *, source: str, images: int, config: Config,
             options: RunOptions) -> Outcome:
         """Record every image of `todo` into `folder` (its records, or its shards), calling
@@ -109,7 +116,7 @@ def run_job(source: str, config: Config, options: RunOptions, executor: Executor
     with OutputFolder(options.out, output_format=options.output_format, resume=options.resume,
                       overwrite=options.overwrite, retry_failed=options.retry_failed) as folder:
         not_images: list[Path] = []
-        refs = list_images(source, root=options.root, skipped=not_images)
+        refs = listed(source, options.root, not_images, executor)
         todo = folder.begin(refs, config.result_settings())
         outcome, model = Outcome(device=config.run.device), None
         if todo:
@@ -121,6 +128,31 @@ def run_job(source: str, config: Config, options: RunOptions, executor: Executor
         return finish(folder, todo, outcome, source=str(source), images=len(refs), config=config,
                       model=outcome.model or model, started_at=started_at, startup_s=startup_s, t0=t0,
                       not_images=len(not_images))
+
+
+def listed(source: str, root: str | None, skipped: list[Path], executor: Executor) -> list[ImageRef]:
+    """The images of `source` (list_images). A URL source is listed on a thread of its own while
+    the executor loads what its run needs here (Executor.load): the store's pages and those
+    imports, each seconds, do not wait on each other. The thread starts with the stop signals
+    held, and keeps them so: a Ctrl-C comes to this thread once the imports are done."""
+    if not storage.is_url(str(source)):
+        return list_images(source, root=root, skipped=skipped)
+    answer: list = []
+
+    def listing() -> None:
+        try:
+            answer.append(list_images(source, root=root, skipped=skipped))
+        except BaseException as e:  # noqa: BLE001 - raised where the refs are waited for
+            answer.append(e)
+
+    with signals_held():
+        thread = threading.Thread(target=listing, name="gpudet-listing", daemon=True)
+        thread.start()
+        executor.load()
+    thread.join()
+    if isinstance(answer[0], BaseException):
+        raise answer[0]
+    return answer[0]
 
 
 def finish(folder: OutputFolder, todo: list[ImageRef], outcome: Outcome, *, source: str, images: int,

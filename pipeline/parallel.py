@@ -162,6 +162,9 @@ class OnDevices:
 
     devices: list[str]
 
+    def load(self) -> None:  # the workers import what they need
+        pass
+
     def run(self, folder: OutputFolder, todo: list[ImageRef], *, source: str, images: int, config: Config,
             options: RunOptions) -> Outcome:
         """The workers started on their shares of `todo`, each into its shard, restarted where they

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import islice
+from typing import TYPE_CHECKING
 
 from . import storage
 from .config import Config
@@ -20,6 +21,9 @@ from .results import ImageRef
 from .source import batched, fetch_processes
 from .timing import StageClock
 
+if TYPE_CHECKING:
+    from .detector import Detector
+
 
 @dataclass
 class InProcess:
@@ -27,9 +31,20 @@ class InProcess:
 
     devices: list[str]
 
+    def load(self) -> None:
+        detector_class()
+
     def run(self, folder: OutputFolder, todo: list[ImageRef], *, source: str, images: int, config: Config,
             options: RunOptions) -> Outcome:
         return detect_into(folder, todo, config, progress=options.show_progress)
+
+
+def detector_class() -> type[Detector]:
+    """The Detector, its libraries imported (torch, DALI, ONNX Runtime, Triton: seconds, the first
+    time) with the stop signals held."""
+    with signals_held():
+        from .detector import Detector
+    return Detector
 
 
 def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, progress: bool) -> Outcome:
@@ -37,12 +52,10 @@ def detect_into(folder: OutputFolder, todo: list[ImageRef], config: Config, *, p
     --devices worker's shard)."""
     from tqdm import tqdm
 
-    with signals_held():  # torch, DALI and Triton: imported by the runs that build a detector
-        from .detector import Detector
-
+    build = detector_class().from_config
     t0 = time.perf_counter()  # this run's clock: the imports above count as the command's start
     with fetchers_started(todo, config):
-        detector = Detector.from_config(config)
+        detector = build(config)
         setup_s = time.perf_counter() - t0
         clock = StageClock()
         # What libraries print meanwhile goes through the log; the decoders' complaints about a bad file

@@ -580,6 +580,62 @@ def test_a_presigned_url_and_a_bracketed_name_are_fetched_as_written(tmp_path):
     assert sorted(Named.seen) == sorted([url.removeprefix(base) for url in urls] + ["/d/list.txt?X-Amz-Signature=f00"])
 
 
+class Listed(http.server.SimpleHTTPRequestHandler):
+    """Serves /list.txt (two image lines) once a load has begun (`loading`), noting that it was
+    asked for and whether that load began within 10 s; 404 for anything else."""
+
+    asked, loading = threading.Event(), threading.Event()
+    answered_while_loading = None
+
+    def do_GET(self):
+        if self.path != "/list.txt":
+            self.send_error(404)
+            return
+        Listed.asked.set()
+        Listed.answered_while_loading = Listed.loading.wait(timeout=10)
+        body = b"a.jpg\nb.jpg\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_url_source_is_listed_while_the_executor_loads(tmp_path):
+    """job.listed: the store is asked for a URL source's listing, and answers, while Executor.load
+    runs (the load waits for the request, the answer for the load: one after the other, either
+    would wait in vain); the refs are the source's, and a source that does not exist is its one
+    error after the load."""
+    from pipeline.errors import SourceError
+    from pipeline.job import listed
+
+    class Loading:
+        devices = ["cpu"]
+        listing_seen_in_load = None
+
+        def load(self):
+            Listed.loading.set()
+            self.listing_seen_in_load = Listed.asked.wait(timeout=10)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Listed)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        Listed.asked.clear(), Listed.loading.clear()
+        executor = Loading()
+        refs = listed(f"{base}/list.txt", None, [], executor)
+        assert executor.listing_seen_in_load is True and Listed.answered_while_loading is True
+        assert [(r.index, r.path) for r in refs] == [(0, f"{base}/a.jpg"), (1, f"{base}/b.jpg")]
+        loaded = Loading()
+        with pytest.raises(SourceError, match="does not exist"):
+            listed(f"{base}/none.txt", None, [], loaded)
+        assert loaded.listing_seen_in_load is not None
+    finally:
+        server.shutdown()
+
+
 def test_storage_option_values_never_reach_a_report():
     from pipeline.cli import without_storage_values
 
