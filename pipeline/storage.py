@@ -236,13 +236,20 @@ class Unreadable(OSError):
 
 
 def transient(error: BaseException) -> bool:
-    """A failure worth trying again: a 5xx or 429 status, throttling, a reset, a timeout."""
+    """A failure worth trying again: a 5xx or 429 status, throttling, a reset, a timeout. A missing
+    or refused object never is; the words of a URL in the message (`:50319/`, `timeout.jpg`) are
+    not the failure's."""
+    if isinstance(error, (FileNotFoundError, PermissionError)):
+        return False
     status = getattr(error, "status", None) or getattr(error, "code", None)
     if isinstance(status, int):
         return status >= 500 or status == 429
-    text = f"{type(error).__name__} {error}".lower()
-    return any(word in text for word in ("timeout", "timed out", "reset", "throttl", "slowdown", "connection",
-                                         "503", "500", "502", "504", "429", "payload"))
+    return TRANSIENT_WORDS.search(URL_TEXT.sub(" ", f"{type(error).__name__} {error}")) is not None
+
+
+TRANSIENT_WORDS = re.compile(r"timeout|timed out|reset|throttl|slowdown|connection|payload|\b(?:50[0234]|429)\b",
+                             re.IGNORECASE)
+URL_TEXT = re.compile(r"[a-z][a-z0-9+.-]*://\S*", re.IGNORECASE)
 
 
 def classified(error: BaseException, tries: int = 1) -> Unreadable:
