@@ -133,10 +133,12 @@ def run_job(source: str, config: Config, options: RunOptions, executor: Executor
 def listed(source: str, root: str | None, skipped: list[Path], executor: Executor) -> list[ImageRef]:
     """The images of `source` (list_images). A URL source is listed on a thread of its own while
     the executor loads what its run needs here (Executor.load): the store's pages and those
-    imports, each seconds, do not wait on each other. The thread starts with the stop signals
-    held, and keeps them so: a Ctrl-C comes to this thread once the imports are done."""
+    imports, each seconds, do not wait on each other (the imports are made even where the listing
+    then fails or leaves nothing to do). The thread starts with the stop signals held, and keeps
+    them so: a Ctrl-C comes to this thread once the imports are done."""
     if not storage.is_url(str(source)):
         return list_images(source, root=root, skipped=skipped)
+    storage.io_started()
     answer: list = []
 
     def listing() -> None:

@@ -152,6 +152,15 @@ def prepare(url: str) -> None:
         log.debug("%s: not prepared ahead of its fetch: %s", url, e)
 
 
+def io_started() -> None:
+    """fsspec's event-loop thread (s3fs's, gcsfs's, aiohttp's requests) started from the calling
+    thread, with its signal mask: a thread that holds the stop signals back would hand that on to
+    it, and to a process it starts (a credential_process)."""
+    import fsspec.asyn
+
+    fsspec.asyn.get_loop()
+
+
 def url_of(fs, path: str, like: str) -> str:
     """The URL of an fsspec path, in the scheme the user wrote (`like`)."""
     if is_url(path):
