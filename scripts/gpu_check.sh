@@ -16,7 +16,7 @@
 #   OUT=DIR RCLONE=BIN bash scripts/gpu_check.sh s3  # detect over the COCO-sized set: local disk, then an S3 server here
 #     (S3_SETS="KEY=VALUE[,KEY=VALUE] ...": one more S3 run with each; RCLONE_FLAGS: the server's options;
 #     RATE_SHAPES="PROCESSES:THREADS ...": a plain client against the server; READER_SHAPES="PROCESSES:REQUESTS
-#     ...": gpudet's reader alone)
+#     ...": gpudet's reader alone; S3_COLD=1: no listing before the runs)
 #
 # The GPU machine returns a few files per command: `tar czf "$OUT.tgz" -C "$OUT" .` after a mode keeps them all.
 #
@@ -214,6 +214,15 @@ case "${1:-}" in
       # shellcheck disable=SC2086
       $PY "$ROOT/scripts/s3_rate.py" http://127.0.0.1:9123 ${shape/:/ } 20000 --reader | tee -a "$OUT/s3_rate.txt"
     done
+    # rclone reads a folder's listing at the first request for it (7 s for 20,000 files, then 1.3-2.1 s),
+    # where a store that is up has it: listed twice before the runs, both times kept (S3_COLD=1: not)
+    if [ -z "${S3_COLD:-}" ]; then
+      (cd "$ROOT" && $PY -c "import time; from pipeline import storage; from pipeline.listing import list_images
+storage.set_options(['endpoint_url=http://127.0.0.1:9123'])
+for k in 1, 2:
+    t = time.perf_counter(); n = len(list_images('s3://coco/')); print(f's3://coco/ listed: {n} objects in {time.perf_counter() - t:.2f} s')
+") | tee -a "$OUT/s3_listing.txt"
+    fi
     served() { echo "$1: the S3 server's CPU so far: $(ps -o cputime= -p $server)" | tee -a "$OUT/server_cpu.txt"; }
     for round in $(seq "${ROUNDS:-2}"); do
       timed_detect "coco_disk_$round" now "$IMAGES/coco/list.txt"
