@@ -393,7 +393,9 @@ S3_RUNS = (("a batch's share per reading thread (32 requests in flight)", "s3/ae
            ("URL batches taken 4 times further ahead than those in flight", "s3/h100_ab76a21", "s3/h100_e69c394"),
            ("the same, a batch's objects sent from where they are (sendmsg)", "s3/h100_64a5472"),
            ("two trees in turn each round: the same", "s3/h100_0367ed8", "s3/h100_65ac081"),
-           ("the fetching processes started while the detector is built", "s3/h100_65ac081"))
+           ("the fetching processes started while the detector is built", "s3/h100_65ac081"),
+           ("two trees in turn each round, a fresh server each time: the same", "s3/h100_ef77043"),
+           ("the same, the listing beside the imports (`job.listed`)", "s3/h100_be6168e"))
 """`gpu_check.sh s3` runs, oldest first: (how that tree read the objects, its folder of summaries[, the
 folder whose disk run of the same round its S3 runs are compared with, where it ran none])."""
 
@@ -434,8 +436,8 @@ def s3_table() -> str:
                                "`--storage-option endpoint_url=...`), in turn; the aef1a51 run on an H200, the "
                                f"others on an H100; 16 cores; {s['started'][:10]}. Command: `scripts/gpu_check.sh s3` "
                                "(`S3_SETS=KEY=VALUE,...`: the +1 rows, each against its tree's first disk run); "
-                               "the two trees of the last rows ran the same `gpudet detect` commands from their own "
-                               "folders, the `again` row a third time after round 1."])
+                               "trees in turn ran the same `gpudet detect` commands from their own folders, the "
+                               "`again` row (65ac081) a third time after round 1."])
 
 
 YOLO_RUNS = (("YOLO11n, kernel by kernel", "h100/yolo11n_seeded"),
