@@ -252,7 +252,10 @@ def _raise_keyboard_interrupt(signum, frame):
 def signals_held() -> Iterator[None]:
     """SIGINT, SIGTERM and SIGHUP held back (blocked) while C libraries load (torch, DALI, ONNX Runtime): an
     interrupt in the middle of their initialisation can come out as an ImportError, or abort the
-    process. One that comes meanwhile is delivered when the block ends, as KeyboardInterrupt."""
+    process. One that comes meanwhile is delivered when the block ends, as KeyboardInterrupt.
+    A thread started in the block holds them for its life: gpudet's background threads (and
+    fsspec's) start so, because a signal the kernel hands to a thread that takes it raises
+    KeyboardInterrupt in the main thread wherever that is, in the middle of an import too."""
     held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield

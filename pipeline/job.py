@@ -138,7 +138,6 @@ def listed(source: str, root: str | None, skipped: list[Path], executor: Executo
     them so: a Ctrl-C comes to this thread once the imports are done."""
     if not storage.is_url(str(source)):
         return list_images(source, root=root, skipped=skipped)
-    storage.io_started()
     answer: list = []
 
     def listing() -> None:

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from . import layout, storage
-from .errors import ConfigError, GpudetError, OutputError, one_line
+from .errors import ConfigError, GpudetError, OutputError, one_line, signals_held
 from .folder import hold_lock, remove_shards
 
 log = logging.getLogger("gpudet")
@@ -213,7 +213,8 @@ class Mirror:
                     log.warning("uploading to %s: %s; trying again", self.url, what_failed(e))
 
         thread = threading.Thread(target=loop, name="gpudet-upload", daemon=True)
-        thread.start()
+        with signals_held():  # a stop signal goes to the main thread (errors.signals_held)
+            thread.start()
         failed = None
         try:
             yield self.local

@@ -36,7 +36,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from . import lines
-from .errors import ConfigError, CredentialsRefused, SourceError, one_line
+from .errors import ConfigError, CredentialsRefused, SourceError, one_line, signals_held
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc's from Python 3.12
@@ -109,6 +109,7 @@ def options() -> dict:
 def filesystem(protocol: str, settings: str):
     """The fsspec filesystem of a scheme with these options (JSON), made once per process."""
     import fsspec
+    import fsspec.asyn
 
     kwargs = json.loads(settings)
     if protocol == "gs" and "endpoint_url" in kwargs:
@@ -120,6 +121,8 @@ def filesystem(protocol: str, settings: str):
         config = kwargs.setdefault("config_kwargs", {})
         if isinstance(config, dict):
             config.setdefault("retries", {"max_attempts": 1})
+    with signals_held():  # fsspec's IO thread (s3fs's, gcsfs's, aiohttp's requests) holds them
+        fsspec.asyn.get_loop()
     try:
         fs = fsspec.filesystem(protocol, **kwargs)
     except ImportError:
@@ -150,15 +153,6 @@ def prepare(url: str) -> None:
             fast_store(fs, path.split("/", 1)[0])
     except Exception as e:  # noqa: BLE001 - the fetch meets it again, and records it
         log.debug("%s: not prepared ahead of its fetch: %s", url, e)
-
-
-def io_started() -> None:
-    """fsspec's event-loop thread (s3fs's, gcsfs's, aiohttp's requests) started from the calling
-    thread, with its signal mask: a thread that holds the stop signals back would hand that on to
-    it, and to a process it starts (a credential_process)."""
-    import fsspec.asyn
-
-    fsspec.asyn.get_loop()
 
 
 def url_of(fs, path: str, like: str) -> str:

@@ -637,6 +637,32 @@ def test_a_url_source_is_listed_while_the_executor_loads(tmp_path):
         server.shutdown()
 
 
+HELD = """
+import signal, sys, threading
+from pipeline import storage
+storage.fs_of(sys.argv[1])
+def held(thread):
+    status = open(f"/proc/self/task/{thread.native_id}/status").read()
+    mask = int(status.split("SigBlk:")[1].split()[0], 16)
+    return all(mask >> (s - 1) & 1 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
+print(sorted((t.name, held(t)) for t in threading.enumerate() if t.name in ("MainThread", "fsspecIO")))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the threads' signal masks from /proc")
+@pytest.mark.parametrize("url", ["s3://bucket/a.jpg", "https://example.com/a.jpg"])
+def test_the_thread_that_makes_requests_holds_the_stop_signals(url):
+    """fsspec's IO thread, made with a URL's filesystem, holds SIGINT, SIGTERM and SIGHUP back, as
+    gpudet's own threads do: one handed to it would raise KeyboardInterrupt in the main thread
+    wherever that is, in the middle of torch's import too (errors.signals_held). The main thread
+    takes them as before."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-c", HELD, url], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parent.parent)
+    assert run.stdout.strip() == "[('MainThread', False), ('fsspecIO', True)]", run.stdout + run.stderr
+
+
 def test_storage_option_values_never_reach_a_report():
     from pipeline.cli import without_storage_values
 
