@@ -99,8 +99,9 @@ class Executor(Protocol):
     devices: list[str]
 
     def load(self) -> None:
-        """What its run needs in this process, imported (this process's detector: torch, DALI,
-        ONNX Runtime), or nothing: run_job calls it while a URL source is listed."""
+        """What its run needs in this process, imported with the stop signals held (this
+        process's detector: torch, DALI, ONNX Runtime), or nothing: run_job calls it while a URL
+        source is listed."""
 
     def run(self, folder: OutputFolder, todo: list[ImageRef], *, source: str, images: int, config: Config,
             options: RunOptions) -> Outcome:
@@ -146,10 +147,10 @@ def listed(source: str, root: str | None, skipped: list[Path], executor: Executo
         except BaseException as e:  # noqa: BLE001 - raised where the refs are waited for
             answer.append(e)
 
+    thread = threading.Thread(target=listing, name="gpudet-listing", daemon=True)
     with signals_held():
-        thread = threading.Thread(target=listing, name="gpudet-listing", daemon=True)
         thread.start()
-        executor.load()
+    executor.load()
     thread.join()
     if isinstance(answer[0], BaseException):
         raise answer[0]

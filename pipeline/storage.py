@@ -252,7 +252,8 @@ def transient(error: BaseException) -> bool:
 
 TRANSIENT_WORDS = re.compile(r"timeout|timed out|reset|throttl|slowdown|connection|payload|\b(?:50[0234]|429)\b",
                              re.IGNORECASE)
-URL_TEXT = re.compile(r"[a-z][a-z0-9+.-]*://\S*", re.IGNORECASE)
+URL_TEXT = re.compile(URL.pattern + r"\S*", re.IGNORECASE)
+"""A URL as it stands in a message, to its next space."""
 
 
 def classified(error: BaseException, tries: int = 1) -> Unreadable:

@@ -214,8 +214,8 @@ case "${1:-}" in
       # shellcheck disable=SC2086
       $PY "$ROOT/scripts/s3_rate.py" http://127.0.0.1:9123 ${shape/:/ } 20000 --reader | tee -a "$OUT/s3_rate.txt"
     done
-    # rclone reads a folder's listing at the first request for it (7 s for 20,000 files, then 1.3-2.1 s),
-    # where a store that is up has it: listed twice before the runs, both times kept (S3_COLD=1: not)
+    # rclone reads a folder's listing at the first request for it (seconds for a large folder), which a
+    # store that is up has done: listed twice before the runs, both times kept (S3_COLD=1: not)
     if [ -z "${S3_COLD:-}" ]; then
       (cd "$ROOT" && $PY -c "import time; from pipeline import storage; from pipeline.listing import list_images
 storage.set_options(['endpoint_url=http://127.0.0.1:9123'])
