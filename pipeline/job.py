@@ -3,8 +3,9 @@ detectors:
 
     run_job(source, config, options, executor)
       the output folder opened and held       folder.OutputFolder (its lock)
-      the source listed                       listing.list_images (a URL source's while the
-                                              executor loads its libraries: Executor.load)
+      the source listed                       listing.list_images (a URL source's by a process
+                                              of its own while the executor loads its
+                                              libraries: Executor.load)
       what is left to do                      OutputFolder.begin (--resume, --overwrite)
       the model checked                       check_model: before anything in --out changes
       the executor run over it                how images reach detectors: this process
@@ -21,7 +22,6 @@ runs, `gpudet bench` and each Ray actor use.
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from . import storage
 from .config import Config, resolve_model_path
-from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, last_record_written, signals_held
+from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, last_record_written
 from .folder import OutputFolder, RunResult
 from .results import ImageRef
 from .sinks import Row
-from .listing import list_images
+from .listing import ListedApart, list_images
 from .timing import StageClock, process_seconds
 
 if TYPE_CHECKING:
@@ -132,29 +132,18 @@ def run_job(source: str, config: Config, options: RunOptions, executor: Executor
 
 
 def listed(source: str, root: str | None, skipped: list[Path], executor: Executor) -> list[ImageRef]:
-    """The images of `source` (list_images). A URL source is listed on a thread of its own while
+    """The images of `source` (list_images). A URL source is listed by a process of its own while
     the executor loads what its run needs here (Executor.load): the store's pages and those
-    imports, each seconds, do not wait on each other (the imports are made even where the listing
-    then fails or leaves nothing to do). The thread starts with the stop signals held, and keeps
-    them so: a Ctrl-C comes to this thread once the imports are done."""
-    if not storage.is_url(str(source)):
+    imports, each seconds, do not wait on each other, nor on this interpreter's lock (the imports
+    are made even where the listing then fails or leaves nothing to do)."""
+    if not storage.is_url(str(source)) or root is not None:  # --root with a URL: list_images says why not
         return list_images(source, root=root, skipped=skipped)
-    answer: list = []
-
-    def listing() -> None:
-        try:
-            answer.append(list_images(source, root=root, skipped=skipped))
-        except BaseException as e:  # noqa: BLE001 - raised where the refs are waited for
-            answer.append(e)
-
-    thread = threading.Thread(target=listing, name="gpudet-listing", daemon=True)
-    with signals_held():
-        thread.start()
-    executor.load()
-    thread.join()
-    if isinstance(answer[0], BaseException):
-        raise answer[0]
-    return answer[0]
+    apart = ListedApart(str(source))
+    try:
+        executor.load()
+        return apart.refs()
+    finally:
+        apart.close()
 
 
 def finish(folder: OutputFolder, todo: list[ImageRef], outcome: Outcome, *, source: str, images: int,

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import codecs
 import glob as globlib
+import json
 import logging
 import os
+import pickle
+import signal
 import stat
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
 from . import layout, storage
-from .errors import SourceError
+from .errors import SourceError, die_with, one_line
 from .imagefile import sniff_format
 from .lines import list_lines
 from .results import ImageRef
@@ -97,6 +102,74 @@ def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = N
     if not refs:
         raise SourceError(f"{what}; check the source")
     return refs
+
+
+class ListedApart:
+    """list_images(url) in a process of its own, started here; `refs()` waits for its answer. A
+    store's listing (its pages of requests, each parsed with Python's lock held) and what this
+    process does meanwhile (importing torch, DALI and ONNX Runtime, which hold that lock while
+    their libraries load) so run side by side, not by turns. The process makes its own clients
+    from the same environment (the credentials, --storage-option). Where it cannot start, or ends
+    without an answer, refs() lists here."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.process: subprocess.Popen | None = None
+        read, write = os.pipe()
+        self.answers = os.fdopen(read, "rb")
+        # -P and exactly this process's path: the process imports this gpudet and these back-ends
+        code = (f"import json, sys; sys.path[:] = json.loads(sys.argv[1]); from {__package__}.listing import "
+                f"list_for; list_for(sys.argv[2], {write}, {os.getpid()})")
+        try:
+            if not sys.executable:
+                raise ValueError("this interpreter does not know its own path (sys.executable)")
+            self.process = subprocess.Popen([sys.executable, "-P", "-c", code, json.dumps(sys.path), url],
+                                            pass_fds=(write,), stdin=subprocess.DEVNULL)
+        except (OSError, ValueError) as e:  # no process to start (limits, memory): listed here
+            log.debug("cannot start a process to list %s (%s); listing it in this one", url, one_line(e, 200))
+        finally:
+            os.close(write)
+
+    def refs(self) -> list[ImageRef]:
+        """The URL's refs, as list_images gives them, or its error (SourceError: exit 2)."""
+        answer = None
+        if self.process is not None:
+            try:
+                answer = pickle.loads(self.answers.read())
+            except Exception as e:  # noqa: BLE001 - ended without an answer (killed, out of memory): listed here
+                log.debug("the process listing %s ended without an answer (%s); listing it in this one", self.url,
+                          one_line(e, 200))
+            finally:
+                self.close()
+        if answer is None:
+            return list_images(self.url)
+        urls, error = answer
+        if error is not None:
+            raise error
+        return [ImageRef(i, url) for i, url in enumerate(urls)]
+
+    def close(self) -> None:
+        """The process ended (killed where it has not answered) and waited for."""
+        self.answers.close()
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.kill()
+            self.process.wait()
+
+
+def list_for(url: str, fd: int, parent: int) -> None:
+    """ListedApart's process: the URL's listing, or the error it raised, written to `fd` once."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    die_with(parent)
+    try:
+        answer = ([ref.path for ref in list_images(url)], None)
+    except Exception as e:  # noqa: BLE001 - raised in the parent, as it would be there
+        try:
+            answer = (None, pickle.loads(pickle.dumps(e)))
+        except Exception:  # noqa: BLE001 - an error that does not pickle: its type and words
+            answer = (None, RuntimeError(f"listing {url}: {type(e).__name__}: {one_line(e, 300)}"))
+    with os.fdopen(fd, "wb") as out:
+        out.write(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def looks_like_a_list(path: Path) -> bool:

@@ -4,6 +4,7 @@ server, and an HTTP server that can be told to fail requests."""
 import http.server
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -633,6 +634,30 @@ def test_a_url_source_is_listed_while_the_executor_loads(tmp_path):
         with pytest.raises(SourceError, match="does not exist"):
             listed(f"{base}/none.txt", None, [], loaded)
         assert loaded.listing_seen_in_load is not None
+    finally:
+        server.shutdown()
+
+
+def test_a_listing_process_not_waited_for_is_ended_and_one_that_cannot_start_lists_here(monkeypatch):
+    """listing.ListedApart: closed before its answer (a load that failed, a Ctrl-C), its process is
+    killed and waited for, never left behind; where no process can start, refs() lists in this
+    process, with the same refs."""
+    from pipeline.listing import ListedApart
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Listed)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/list.txt"
+    try:
+        Listed.asked.clear(), Listed.loading.clear()
+        apart = ListedApart(url)
+        assert Listed.asked.wait(timeout=60)  # its request waits for `loading`, which never comes
+        apart.close()
+        assert apart.process.returncode == -signal.SIGKILL
+        monkeypatch.setattr(sys, "executable", "")
+        Listed.loading.set()
+        here = ListedApart(url)
+        assert here.process is None
+        assert [r.path for r in here.refs()] == [url.replace("list.txt", "a.jpg"), url.replace("list.txt", "b.jpg")]
     finally:
         server.shutdown()
 
