@@ -8,7 +8,10 @@
 #   OUT=DIR bash scripts/gpu_check.sh ray         # --ray --workers 1 against one process, JSONL and Parquet
 #   OUT=DIR bash scripts/gpu_check.sh sets        # the image sets below, made once per machine under $IMAGES
 #   OUT=DIR bash scripts/gpu_check.sh photos      # 12 MP photos: bench and detect, scaled decode off and on, same faces
+#     (SHARES="SHARE[,KEY=VALUE...] ...": the benches of the reduced decode; ROUND=N: in the reports' names;
+#     BENCH_ONLY=1: the benches alone)
 #   OUT=DIR bash scripts/gpu_check.sh coco        # COCO-sized JPEGs and the mixed set: bench, and detect over 20,000
+#   OUT=DIR bash scripts/gpu_check.sh batches     # the bench over 20,000 COCO-sized JPEGs per run.batch_size (BATCHES, ROUNDS)
 #   OUT=DIR BEFORE=DIR bash scripts/gpu_check.sh ab  # BEFORE and this tree in turn, ROUNDS times: bench and detect
 #     (AB="NAME=DIR NAME=DIR ...": those trees, then this one, in turn; DETECT_TREES: the names whose detect runs)
 #   OUT=DIR YOLO_MODELS="a.onnx b.onnx" bash scripts/gpu_check.sh yolo  # YOLO exports: bench beside ORT alone
@@ -130,10 +133,14 @@ case "${1:-}" in
     versions | tee "$OUT/versions.txt"
     kind_set photos "${PHOTOS:-3200}"
     head -800 "$IMAGES/photos/list.txt" > "$IMAGES/photos/first800.txt"
-    for share in ${SHARES:-1.0}; do
-      bench "photos_scaled_$share" now "$IMAGES/photos/first800.txt" 800 --skip-naive --set preprocess.scaled_share=$share
+    for spec in ${SHARES:-1.0}; do  # SHARE[,KEY=VALUE...]: the share, and more --set options
+      sets=(--set "preprocess.scaled_share=${spec%%,*}")
+      for pair in $(tr ',' ' ' <<< "${spec#"${spec%%,*}"}"); do sets+=(--set "$pair"); done
+      bench "photos_scaled_$(tr -c '[:alnum:]_.\n' '_' <<< "$spec")${ROUND:+_$ROUND}" now "$IMAGES/photos/first800.txt" 800 \
+        --skip-naive "${sets[@]}"
     done
-    bench photos_whole now "$IMAGES/photos/first800.txt" 800 --skip-naive --set preprocess.scaled_decode=false
+    bench "photos_whole${ROUND:+_$ROUND}" now "$IMAGES/photos/first800.txt" 800 --skip-naive --set preprocess.scaled_decode=false
+    [ -n "${BENCH_ONLY:-}" ] && exit 0
     timed_detect photos_whole now "$IMAGES/photos/list.txt" --set preprocess.scaled_decode=false
     timed_detect photos_scaled now "$IMAGES/photos/list.txt" ${DETECT_SET:+--set $DETECT_SET}
     $PY "$ROOT/scripts/match_detections.py" /tmp/gpudet-photos_whole /tmp/gpudet-photos_scaled \
@@ -147,6 +154,16 @@ case "${1:-}" in
       bench "coco_$tree" "$tree" "$IMAGES/coco/list.txt" 4000 --naive-limit 200
       bench "mixed_$tree" "$tree" "$IMAGES/mixed/list.txt" 4000 --skip-naive
       timed_detect "coco_$tree" "$tree" "$IMAGES/coco/list.txt"
+    done
+    ;;
+  batches)
+    # The default bench over the 20,000 COCO-sized JPEGs at each run.batch_size of BATCHES, in turn ROUNDS times
+    versions | tee "$OUT/versions.txt"
+    kind_set coco "${COCO:-20000}"
+    for round in $(seq "${ROUNDS:-2}"); do
+      for n in ${BATCHES:-32 64}; do
+        bench "coco_batch${n}_$round" now "$IMAGES/coco/list.txt" 20000 --skip-naive --set "run.batch_size=$n"
+      done
     done
     ;;
   ab)
@@ -239,7 +256,7 @@ for k in 1, 2:
     done
     ;;
   *)
-    echo "usage: OUT=DIR bash scripts/gpu_check.sh tests|retinaface|retinanet|ray|sets|photos|coco|ab|yolo|profile|s3" >&2
+    echo "usage: OUT=DIR bash scripts/gpu_check.sh tests|retinaface|retinanet|ray|sets|photos|coco|batches|ab|yolo|profile|s3" >&2
     exit 2
     ;;
 esac
