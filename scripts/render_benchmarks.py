@@ -399,7 +399,9 @@ S3_RUNS = (("a batch's share per reading thread (32 requests in flight)", "s3/ae
            ("two trees in turn each round: the same", "s3/h100_0367ed8", "s3/h100_65ac081"),
            ("the fetching processes started while the detector is built", "s3/h100_65ac081"),
            ("two trees in turn each round, a fresh server each time: the same", "s3/h100_ef77043"),
-           ("the same, the listing beside the imports (`job.listed`)", "s3/h100_be6168e"))
+           ("the same, the listing beside the imports (`job.listed`)", "s3/h100_be6168e"),
+           ("the same, listed by a process of its own (`listing.ListedApart`), the server listed before the runs",
+            "s3/h100_3626c6a"))
 """`gpu_check.sh s3` runs, oldest first: (how that tree read the objects, its folder of summaries[, the
 folder whose disk run of the same round its S3 runs are compared with, where it ran none])."""
 
@@ -438,10 +440,12 @@ def s3_table() -> str:
                                "(`make_image_set.py --kind coco`), from the local disk (a file list) and from "
                                "`rclone serve s3` on the same machine serving the same folder (`s3://coco/`, "
                                "`--storage-option endpoint_url=...`), in turn; the aef1a51 run on an H200, the "
-                               f"others on an H100; 16 cores; {s['started'][:10]}. Command: `scripts/gpu_check.sh s3` "
-                               "(`S3_SETS=KEY=VALUE,...`: the +1 rows, each against its tree's first disk run); "
+                               f"others on an H100; 16 cores; up to {s['started'][:10]}. Command: `scripts/gpu_check.sh "
+                               "s3` (`S3_SETS=KEY=VALUE,...`: the +1 rows, each against its tree's first disk run); "
                                "trees in turn ran the same `gpudet detect` commands from their own folders, the "
-                               "`again` row (65ac081) a third time after round 1."])
+                               "`again` row (65ac081) a third time after round 1. Up to be6168e each run met a "
+                               "server that had not listed the folder yet; from 3626c6a on, the script lists it "
+                               "twice first (`s3_listing.txt`), as a store that is up has."])
 
 
 YOLO_RUNS = (("YOLO11n, kernel by kernel", "h100/yolo11n_seeded"),
@@ -518,25 +522,30 @@ def streams_table() -> str:
                                "bash scripts/gpu_check.sh ab`."])
 
 
-COCO_BATCHES = (("32 (the default)", "coco20k/batch32_e19444f"), ("64", "coco20k/batch64_e19444f"))
+COCO_BATCHES = (("32 (the default)", "coco20k/batch32_e19444f"), ("64", "coco20k/batch64_e19444f"),
+                ("32, round 1", "coco20k/h100_3626c6a/batch32_1"), ("64, round 1", "coco20k/h100_3626c6a/batch64_1"),
+                ("32, round 2", "coco20k/h100_3626c6a/batch32_2"), ("64, round 2", "coco20k/h100_3626c6a/batch64_2"))
+"""(`run.batch_size`, the report): e19444f's one after the other, 3626c6a's in turn twice (`gpu_check.sh batches`)."""
 
 
 def batch_table() -> str:
-    lines = ["| `run.batch_size` | gpudet loop img/s (passes) | DALI alone | ORT alone | loop / DALI alone | "
+    lines = ["| `run.batch_size` | tree | gpudet loop img/s (passes) | DALI alone | ORT alone | loop / DALI alone | "
              "setup from the command | the loop waited on DALI / the postprocess | GPU busy |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, name in COCO_BATCHES:
         r = load(name)
         rates, stages = r["images_per_s"], r["gpudet_stages_s"]
-        lines.append(f"| {label} | **{num(rates['gpudet'])}** ({passes(r)}) | {num(rates['preprocess'])} | "
+        lines.append(f"| {label} | {r['tree']['commit']} | **{num(rates['gpudet'])}** ({passes(r)}) | "
+                     f"{num(rates['preprocess'])} | "
                      f"{num(rates['model'])} | **{rates['gpudet'] / rates['preprocess']:.2f}x** | "
                      f"{r['gpudet_setup_s']['since_start']:.1f} s | {stages['preprocess']:.2f} s / "
                      f"{stages['postprocess']:.2f} s | {stages['gpu_utilisation_percent']:.0f}% |")
-    r = load(COCO_BATCHES[0][1])
-    return "\n".join(lines + ["", f"The default config over {num(r['images'])} distinct COCO-sized JPEGs, one after "
-                               f"the other in one session; {r['machine']['gpus'][0]}, tree {r['tree']['commit']}, "
-                               f"{r['date'][:10]}. Command: `gpudet bench coco/list.txt --device cuda --limit 20000 "
-                               "--skip-naive --set run.batch_size=N`."])
+    r, last = load(COCO_BATCHES[0][1]), load(COCO_BATCHES[-1][1])
+    return "\n".join(lines + ["", f"The default config over {num(r['images'])} distinct COCO-sized JPEGs; e19444f's "
+                               "one after the other in one session, 3626c6a's in turn, twice, in another; "
+                               f"{r['machine']['gpus'][0]}, {' and '.join(sorted({r['date'][:10], last['date'][:10]}))}. Command: "
+                               "`gpudet bench coco/list.txt --device cuda --limit 20000 --skip-naive --set "
+                               "run.batch_size=N` (`ROUNDS=2 bash scripts/gpu_check.sh batches`)."])
 
 
 PROFILE = "profile/coco_8000"
