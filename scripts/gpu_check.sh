@@ -11,7 +11,8 @@
 #     (SHARES="SHARE[,KEY=VALUE...] ...": the benches of the reduced decode; ROUND=N: in the reports' names;
 #     BENCH_ONLY=1: the benches alone)
 #   OUT=DIR bash scripts/gpu_check.sh coco        # COCO-sized JPEGs and the mixed set: bench, and detect over 20,000
-#   OUT=DIR bash scripts/gpu_check.sh batches     # the bench over 20,000 COCO-sized JPEGs per run.batch_size (BATCHES, ROUNDS)
+#   OUT=DIR bash scripts/gpu_check.sh batches     # the bench per run.batch_size (BATCHES, ROUNDS; BATCH_SET coco|photos|crops;
+#                                                 # DETECT_COUNT=100000: the default detect over that many COCO-sized JPEGs)
 #   OUT=DIR BEFORE=DIR bash scripts/gpu_check.sh ab  # BEFORE and this tree in turn, ROUNDS times: bench and detect
 #     (AB="NAME=DIR NAME=DIR ...": those trees, then this one, in turn; DETECT_TREES: the names whose detect runs)
 #   OUT=DIR YOLO_MODELS="a.onnx b.onnx" bash scripts/gpu_check.sh yolo  # YOLO exports: bench beside ORT alone
@@ -157,14 +158,33 @@ case "${1:-}" in
     done
     ;;
   batches)
-    # The default bench over the 20,000 COCO-sized JPEGs at each run.batch_size of BATCHES, in turn ROUNDS times
+    # The default bench at each run.batch_size of BATCHES, in turn ROUNDS times, over BATCH_SET: coco (the 20,000
+    # COCO-sized JPEGs), photos (800 of the 12 MP photos) or crops (the 3,796 crops); DETECT_COUNT=N: then the
+    # default detect from the shell over N distinct COCO-sized JPEGs at each batch size, in turn ROUNDS times
     versions | tee "$OUT/versions.txt"
-    kind_set coco "${COCO:-20000}"
+    bset=${BATCH_SET:-coco}
+    case $bset in
+      coco) kind_set coco "${COCO:-20000}"; list=$IMAGES/coco/list.txt; limit=20000 ;;
+      photos) kind_set photos "${PHOTOS:-3200}"; head -800 "$IMAGES/photos/list.txt" > "$IMAGES/photos/first800.txt"
+              list=$IMAGES/photos/first800.txt; limit=800 ;;
+      crops) image_set; list=$IMAGES/jpg.txt; limit=4000 ;;
+      *) echo "BATCH_SET: coco, photos or crops" >&2; exit 2 ;;
+    esac
     for round in $(seq "${ROUNDS:-2}"); do
       for n in ${BATCHES:-32 64}; do
-        bench "coco_batch${n}_$round" now "$IMAGES/coco/list.txt" 20000 --skip-naive --set "run.batch_size=$n"
+        bench "${bset}_batch${n}_$round" now "$list" "$limit" --skip-naive --set "run.batch_size=$n"
       done
     done
+    if [ -n "${DETECT_COUNT:-}" ]; then
+      many=$IMAGES/coco_$DETECT_COUNT
+      [ -f "$many/list.txt" ] || $PY "$ROOT/scripts/make_image_set.py" "$many" --kind coco --count "$DETECT_COUNT" \
+        | tee -a "$OUT/sets.txt"
+      for round in $(seq "${ROUNDS:-2}"); do
+        for n in ${BATCHES:-32 64}; do
+          timed_detect "coco${DETECT_COUNT}_batch${n}_$round" now "$many/list.txt" --set "run.batch_size=$n"
+        done
+      done
+    fi
     ;;
   ab)
     # Trees in turn on one machine, so that a drift of the machine (which moved one tree's loop by
