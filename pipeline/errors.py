@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -365,3 +366,28 @@ def die_with(parent: int) -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the parent ended before the call above
         os._exit(EXIT_INTERRUPTED)
+
+
+def start_helper(function: str, *args: object, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    """A process of this interpreter that calls `function` ("pipeline.module.name") with `args`
+    (JSON's types), and imports exactly this process's path (`-P`: not the working folder first),
+    so this gpudet and these back-ends, whether a checkout, a wheel or a notebook's. It starts with
+    the stop signals held: a Ctrl-C to the whole group in its first tenths of a second, before it
+    has said how it takes one (`helper_started`), would print its interpreter's traceback.
+    ValueError or OSError: none can start."""
+    if not sys.executable:
+        raise ValueError("this interpreter does not know its own path (sys.executable)")
+    module, name = function.rsplit(".", 1)
+    code = f"import json, sys; sys.path[:] = json.loads(sys.argv[1]); from {module} import {name}; " \
+           f"{name}(*json.loads(sys.argv[2]))"
+    with signals_held():
+        return subprocess.Popen([sys.executable, "-P", "-c", code, json.dumps([str(p) for p in sys.path]),
+                                 json.dumps(args)], pass_fds=pass_fds, stdin=subprocess.DEVNULL)
+
+
+def helper_started(parent: int) -> None:
+    """In a process start_helper started: Ctrl-C ignored (it reaches the whole group: the parent
+    decides and ends this one), the stop signals taken back, and an end with the parent (die_with)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    die_with(parent)

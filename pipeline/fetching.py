@@ -20,22 +20,19 @@ process's own storage.fetch.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import pickle
-import signal
 import socket
 import struct
 import subprocess
-import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from . import storage
-from .errors import GpudetError, die_with, one_line
+from .errors import GpudetError, helper_started, one_line, start_helper
 
 log = logging.getLogger("gpudet")
 
@@ -130,16 +127,9 @@ class _Child:
     """One fetching process, the socket to it and the batches it has not answered yet."""
 
     def __init__(self, prepare: str | None):
-        if not sys.executable:
-            raise ValueError("this interpreter does not know its own path (sys.executable)")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        # -P: not the working folder first on the path; then exactly this process's path, so that
-        # the process imports this gpudet and these back-ends, whether a checkout, a wheel or a notebook's
-        code = (f"import json, sys; sys.path[:] = json.loads(sys.argv[1]); from {__package__}.fetching import serve; "
-                f"serve({theirs.fileno()}, {os.getpid()})")
         try:
-            self.process = subprocess.Popen([sys.executable, "-P", "-c", code, json.dumps(sys.path)],
-                                            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+            self.process = start_helper(f"{__name__}.serve", theirs.fileno(), os.getpid(), pass_fds=(theirs.fileno(),))
         except BaseException:
             ours.close()
             raise
@@ -262,8 +252,7 @@ def serve(fd: int, parent: int) -> None:
     answer sent back: a head (key, [(url, size)], {url: Unreadable}, error) and the fetched bytes
     one after another; a batch without a key, prepared for (storage.prepare), unanswered. Ends
     when the parent closes the socket or dies."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
-    die_with(parent)
+    helper_started(parent)
     sock = socket.socket(fileno=fd)
     sending = threading.Lock()
 

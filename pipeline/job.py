@@ -138,12 +138,14 @@ def listed(source: str, root: str | None, skipped: list[Path], executor: Executo
     are made even where the listing then fails or leaves nothing to do)."""
     if not storage.is_url(str(source)) or root is not None:  # --root with a URL: list_images says why not
         return list_images(source, root=root, skipped=skipped)
-    apart = ListedApart(str(source))
+    apart = None
     try:
+        apart = ListedApart(str(source))
         executor.load()
         return apart.refs()
     finally:
-        apart.close()
+        if apart is not None:
+            apart.close()
 
 
 def finish(folder: OutputFolder, todo: list[ImageRef], outcome: Outcome, *, source: str, images: int,

@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import codecs
 import glob as globlib
-import json
 import logging
 import os
 import pickle
-import signal
 import stat
 import subprocess
-import sys
+import traceback
 from collections import Counter
 from pathlib import Path
 
 from . import layout, storage
-from .errors import SourceError, die_with, one_line
+from .errors import GpudetError, SourceError, helper_started, one_line, start_helper
 from .imagefile import sniff_format
 from .lines import list_lines
 from .results import ImageRef
@@ -117,21 +115,19 @@ class ListedApart:
         self.process: subprocess.Popen | None = None
         read, write = os.pipe()
         self.answers = os.fdopen(read, "rb")
-        # -P and exactly this process's path: the process imports this gpudet and these back-ends
-        code = (f"import json, sys; sys.path[:] = json.loads(sys.argv[1]); from {__package__}.listing import "
-                f"list_for; list_for(sys.argv[2], {write}, {os.getpid()})")
         try:
-            if not sys.executable:
-                raise ValueError("this interpreter does not know its own path (sys.executable)")
-            self.process = subprocess.Popen([sys.executable, "-P", "-c", code, json.dumps(sys.path), url],
-                                            pass_fds=(write,), stdin=subprocess.DEVNULL)
+            self.process = start_helper(f"{__name__}.list_for", url, write, os.getpid(), pass_fds=(write,))
         except (OSError, ValueError) as e:  # no process to start (limits, memory): listed here
             log.debug("cannot start a process to list %s (%s); listing it in this one", url, one_line(e, 200))
+        except BaseException:  # a Ctrl-C meanwhile
+            self.answers.close()
+            raise
         finally:
             os.close(write)
 
     def refs(self) -> list[ImageRef]:
-        """The URL's refs, as list_images gives them, or its error (SourceError: exit 2)."""
+        """The URL's refs, as list_images gives them, or its error (SourceError: exit 2; another
+        error with the listing process's traceback as a note)."""
         answer = None
         if self.process is not None:
             try:
@@ -143,8 +139,10 @@ class ListedApart:
                 self.close()
         if answer is None:
             return list_images(self.url)
-        urls, error = answer
+        urls, error, where = answer
         if error is not None:
+            if not isinstance(error, GpudetError):
+                error.add_note(f"raised in the process listing {self.url}:\n{where}")
             raise error
         return [ImageRef(i, url) for i, url in enumerate(urls)]
 
@@ -158,16 +156,17 @@ class ListedApart:
 
 
 def list_for(url: str, fd: int, parent: int) -> None:
-    """ListedApart's process: the URL's listing, or the error it raised, written to `fd` once."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
-    die_with(parent)
+    """ListedApart's process: the URL's listing, or the error it raised and where, written to `fd`
+    once."""
+    helper_started(parent)
     try:
-        answer = ([ref.path for ref in list_images(url)], None)
+        answer = ([ref.path for ref in list_images(url)], None, None)
     except Exception as e:  # noqa: BLE001 - raised in the parent, as it would be there
+        where = traceback.format_exc()
         try:
-            answer = (None, pickle.loads(pickle.dumps(e)))
+            answer = (None, pickle.loads(pickle.dumps(e)), where)
         except Exception:  # noqa: BLE001 - an error that does not pickle: its type and words
-            answer = (None, RuntimeError(f"listing {url}: {type(e).__name__}: {one_line(e, 300)}"))
+            answer = (None, RuntimeError(f"listing {url}: {type(e).__name__}: {one_line(e, 300)}"), where)
     with os.fdopen(fd, "wb") as out:
         out.write(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
 

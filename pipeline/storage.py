@@ -127,8 +127,9 @@ def filesystem(protocol: str, settings: str):
         fs = fsspec.filesystem(protocol, **kwargs)
     except ImportError:
         raise SourceError(f"{protocol}:// URLs need {SCHEMES[protocol]}") from None
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"--storage-option: the {protocol} filesystem does not take these options ({e})") from None
+    except (TypeError, ValueError, KeyError) as e:  # s3fs: KeyError for key= and username= both given
+        raise ConfigError(f"--storage-option: the {protocol} filesystem does not take these options "
+                          f"({e.args[0] if isinstance(e, KeyError) and e.args else e})") from None
     if protocol == "s3":
         fs.retries = 1
     return fs

@@ -71,6 +71,9 @@ def test_a_prefix_the_back_end_cannot_list_is_one_line(s3, tmp_path):
     one line, exit 2, no traceback."""
     run = on_s3("detect", "s3://photos/set/", "--out", tmp_path / "o", "--storage-option", "bogus=1", endpoint=s3)
     one_clear_line(run, 2, "s3://photos/set/", "--storage-option")
+    run = on_s3("detect", "s3://photos/set/", "--out", tmp_path / "o", "--storage-option", "key=a",
+                "--storage-option", "username=b", endpoint=s3)  # s3fs: a KeyError
+    one_clear_line(run, 2, "--storage-option", "not both")
     run = on_s3("detect", "s3://photos/set/none.jpg", "--out", tmp_path / "o", endpoint=s3)  # as a missing file is
     one_clear_line(run, 2, "s3://photos/set/none.jpg", "does not exist")
     bare = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
@@ -660,6 +663,46 @@ def test_a_listing_process_not_waited_for_is_ended_and_one_that_cannot_start_lis
         assert [r.path for r in here.refs()] == [url.replace("list.txt", "a.jpg"), url.replace("list.txt", "b.jpg")]
     finally:
         server.shutdown()
+
+
+MASKS = """
+import os, signal
+from pipeline.errors import helper_started
+
+
+def masks():
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    blocked, ignored = (int(status[key].split()[0], 16) for key in ("SigBlk", "SigIgn"))
+    return [(bool(blocked >> (s - 1) & 1), bool(ignored >> (s - 1) & 1)) for s in (signal.SIGINT, signal.SIGTERM)]
+
+
+def report(fd, parent):
+    before = masks()
+    helper_started(parent)
+    os.write(fd, repr((before, masks())).encode())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the signal masks from /proc")
+def test_a_helper_process_holds_the_stop_signals_until_it_says_how_it_takes_them(tmp_path, monkeypatch):
+    """errors.start_helper: the process starts with SIGINT and SIGTERM held, so a Ctrl-C to the
+    whole group in its first tenths of a second (its interpreter starting, its imports) does not
+    print a traceback; helper_started then ignores SIGINT (the parent decides) and takes SIGTERM
+    back. The parent's own mask is left as it was."""
+    from pipeline.errors import start_helper
+
+    (tmp_path / "masked_helper.py").write_text(MASKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    read, write = os.pipe()
+    try:
+        process = start_helper("masked_helper.report", write, os.getpid(), pass_fds=(write,))
+    finally:
+        os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        said = answer.read().decode()
+    assert process.wait(timeout=60) == 0
+    assert said == repr(([(True, False), (True, False)], [(False, True), (False, False)]))
+    assert not signal.pthread_sigmask(signal.SIG_BLOCK, []) & {signal.SIGINT, signal.SIGTERM}
 
 
 HELD = """
