@@ -159,8 +159,7 @@ class OnRay:
         except ImportError:
             raise ConfigError("--ray needs Ray Data: pip install 'gpudet[ray]' (or 'ray[data]')") from None
 
-    def load(self) -> None:  # the actors import what they need; Ray itself is imported above
-        pass
+    load = None  # the actors import what they need; Ray itself is imported above
 
     def run(self, folder: OutputFolder, todo: list[ImageRef], *, source: str, images: int, config: Config,
             options: RunOptions) -> Outcome:

@@ -97,11 +97,10 @@ class Executor(Protocol):
     whose models check_model reads."""
 
     devices: list[str]
-
-    def load(self) -> None:
-        """What its run needs in this process, imported with the stop signals held (this
-        process's detector: torch, DALI, ONNX Runtime), or nothing: run_job calls it while a URL
-        source is listed."""
+    load: Callable[[], None] | None
+    """What its run needs in this process, imported with the stop signals held (this process's
+    detector: torch, DALI, ONNX Runtime): run_job calls it while a URL source is listed. None where
+    its workers import what they need (--devices, --ray)."""
 
     def run(self, folder: OutputFolder, todo: list[ImageRef], *, source: str, images: int, config: Config,
             options: RunOptions) -> Outcome:
@@ -135,8 +134,10 @@ def listed(source: str, root: str | None, skipped: list[Path], executor: Executo
     """The images of `source` (list_images). A URL source is listed by a process of its own while
     the executor loads what its run needs here (Executor.load): the store's pages and those
     imports, each seconds, do not wait on each other, nor on this interpreter's lock (the imports
-    are made even where the listing then fails or leaves nothing to do)."""
-    if not storage.is_url(str(source)) or root is not None:  # --root with a URL: list_images says why not
+    are made even where the listing then fails or leaves nothing to do). Where the executor loads
+    nothing here, it is listed here: a process would only add its start and the copy of the list."""
+    # (--root with a URL: list_images says why not)
+    if not storage.is_url(str(source)) or root is not None or executor.load is None:
         return list_images(source, root=root, skipped=skipped)
     apart = None
     try:

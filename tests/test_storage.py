@@ -608,11 +608,11 @@ class Listed(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def test_a_url_source_is_listed_while_the_executor_loads(tmp_path):
+def test_a_url_source_is_listed_while_the_executor_loads(tmp_path, monkeypatch):
     """job.listed: the store is asked for a URL source's listing, and answers, while Executor.load
     runs (the load waits for the request, the answer for the load: one after the other, either
     would wait in vain); the refs are the source's, and a source that does not exist is its one
-    error after the load."""
+    error after the load. An executor that loads nothing here (--devices, --ray) lists here."""
     from pipeline.errors import SourceError
     from pipeline.job import listed
 
@@ -637,6 +637,12 @@ def test_a_url_source_is_listed_while_the_executor_loads(tmp_path):
         with pytest.raises(SourceError, match="does not exist"):
             listed(f"{base}/none.txt", None, [], loaded)
         assert loaded.listing_seen_in_load is not None
+
+        class LoadsNothing:  # --devices, --ray: listed here, no process started
+            devices, load = ["cuda:0", "cuda:1"], None
+
+        monkeypatch.setattr("pipeline.job.ListedApart", None)
+        assert [r.path for r in listed(f"{base}/list.txt", None, [], LoadsNothing())] == [f"{base}/a.jpg", f"{base}/b.jpg"]
     finally:
         server.shutdown()
 
