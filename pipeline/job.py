@@ -139,14 +139,12 @@ def listed(source: str, root: str | None, skipped: list[Path], executor: Executo
     # (--root with a URL: list_images says why not)
     if not storage.is_url(str(source)) or root is not None or executor.load is None:
         return list_images(source, root=root, skipped=skipped)
-    apart = None
+    apart = ListedApart(str(source))  # closes what it opened where its start is interrupted
     try:
-        apart = ListedApart(str(source))
         executor.load()
         return apart.refs()
     finally:
-        if apart is not None:
-            apart.close()
+        apart.close()
 
 
 def finish(folder: OutputFolder, todo: list[ImageRef], outcome: Outcome, *, source: str, images: int,
