@@ -48,6 +48,17 @@ kind_set() {  # KIND COUNT: users' workloads, every file distinct (scripts/make_
   du -sh "$IMAGES/$1" | tee -a "$OUT/sets.txt"
 }
 
+photos_800() {  # the 12 MP photos (PHOTOS of them), and the first 800 as first800.txt, the benches' list
+  kind_set photos "${PHOTOS:-3200}"
+  head -800 "$IMAGES/photos/list.txt" > "$IMAGES/photos/first800.txt"
+}
+
+set_args() {  # KEY=VALUE[,KEY=VALUE]: one --set each in the array `sets`, split at a comma that starts a new
+  # section.key (a list value keeps its own)
+  sets=()
+  while IFS= read -r pair; do sets+=(--set "$pair"); done < <(sed 's/,\([a-z_]*\.\)/\n\1/g' <<< "$1")
+}
+
 home_of() {  # TREE: now (this tree), before ($BEFORE) or a checkout's root
   case "$1" in now) echo "$ROOT" ;; before) echo "$BEFORE" ;; *) echo "$1" ;; esac
 }
@@ -132,11 +143,9 @@ case "${1:-}" in
     ;;
   photos)
     versions | tee "$OUT/versions.txt"
-    kind_set photos "${PHOTOS:-3200}"
-    head -800 "$IMAGES/photos/list.txt" > "$IMAGES/photos/first800.txt"
+    photos_800
     for spec in ${SHARES:-1.0}; do  # SHARE[,KEY=VALUE...]: the share, and more --set options
-      sets=(--set "preprocess.scaled_share=${spec%%,*}")
-      for pair in $(tr ',' ' ' <<< "${spec#"${spec%%,*}"}"); do sets+=(--set "$pair"); done
+      set_args "preprocess.scaled_share=$spec"
       bench "photos_scaled_$(tr -c '[:alnum:]_.\n' '_' <<< "$spec")${ROUND:+_$ROUND}" now "$IMAGES/photos/first800.txt" 800 \
         --skip-naive "${sets[@]}"
     done
@@ -165,8 +174,7 @@ case "${1:-}" in
     bset=${BATCH_SET:-coco}
     case $bset in
       coco) kind_set coco "${COCO:-20000}"; list=$IMAGES/coco/list.txt; limit=20000 ;;
-      photos) kind_set photos "${PHOTOS:-3200}"; head -800 "$IMAGES/photos/list.txt" > "$IMAGES/photos/first800.txt"
-              list=$IMAGES/photos/first800.txt; limit=800 ;;
+      photos) photos_800; list=$IMAGES/photos/first800.txt; limit=800 ;;
       crops) image_set; list=$IMAGES/jpg.txt; limit=4000 ;;
       *) echo "BATCH_SET: coco, photos or crops" >&2; exit 2 ;;
     esac
@@ -268,8 +276,7 @@ for k in 1, 2:
       served "coco_s3_$round"
     done
     for spec in ${S3_SETS:-}; do  # KEY=VALUE[,KEY=VALUE] ...: one more S3 run with each
-      sets=()  # one --set per KEY=VALUE: split at a comma that starts a new section.key (a list value keeps its own)
-      while IFS= read -r pair; do sets+=(--set "$pair"); done < <(sed 's/,\([a-z_]*\.\)/\n\1/g' <<< "$spec")
+      set_args "$spec"
       timed_detect "coco_s3_$(echo "$spec" | tr -c '[:alnum:]_\n' '_')" now s3://coco/ \
         --storage-option endpoint_url=http://127.0.0.1:9123 "${sets[@]}"
       served "$spec"
