@@ -99,10 +99,9 @@ class PreprocessConfig:
     scaled_share: float = 0.0
     """scaled_decode on a GPU: the share of the batches whose large JPEGs the host decodes at a
     reduced scale; the others go to DALI whole (the hardware decoder), both at once. 0 by default:
-    the share that pays depends on the host's cores (0.2 beat the hardware decoder alone on 12 MP
-    photos with 16; all of them, or half, fell behind it), and a share the cores cannot keep pace
-    with holds the decoder back (docs/BENCHMARKS.md). On the CPU every large JPEG is decoded at a
-    reduced scale."""
+    the share that pays depends on the host's cores, and a share they cannot keep pace with holds
+    the decoder back (docs/BENCHMARKS.md measures shares on 16 cores). On the CPU every large JPEG
+    is decoded at a reduced scale."""
     hw_decoder_load: float = 0.9
     """decoder auto on a GPU with a hardware JPEG decoder (A100, H100, H200): the share of each
     batch's JPEGs it decodes (DALI's hw_decoder_load; its default is 0.65, slower on the H200:
