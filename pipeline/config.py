@@ -96,13 +96,12 @@ class PreprocessConfig:
     DCT), then letterboxed by DALI: most of its pixels are never made. The result differs from a
     full decode by the resampling alone (docs/BENCHMARKS.md measures the same faces); false decodes
     every pixel, in DALI. CMYK JPEGs are decoded whole."""
-    host_share: float = 0.0
-    """On a GPU: the share of the batches whose JPEGs the host's cores decode (libjpeg-turbo, on
-    run.decode_threads threads, a large one at a reduced scale), beside the hardware decoder, which
-    takes the other batches: both at once. 0 by default: the share that pays depends on the host's
-    cores, and a share they cannot keep pace with holds the decoder back (docs/BENCHMARKS.md
-    measures shares on 16 cores). scaled_decode false: DALI decodes every image. On the CPU every
-    large JPEG is decoded at a reduced scale, the others by DALI."""
+    scaled_share: float = 0.0
+    """scaled_decode on a GPU: the share of the batches whose large JPEGs the host decodes at a
+    reduced scale; the others go to DALI whole (the hardware decoder), both at once. 0 by default:
+    the share that pays depends on the host's cores, and a share they cannot keep pace with holds
+    the decoder back (docs/BENCHMARKS.md measures shares on 16 cores). On the CPU every large JPEG
+    is decoded at a reduced scale."""
     hw_decoder_load: float = 0.9
     """decoder auto on a GPU with a hardware JPEG decoder (A100, H100, H200): the share of each
     batch's JPEGs it decodes (DALI's hw_decoder_load; its default is 0.65, slower on the H200:
@@ -140,8 +139,8 @@ class RunConfig:
     """DALI's CPU threads (CPU decoding and CPU-side operators) and the file-reading threads. PNG
     and other non-JPEG formats decode on the CPU: raise it for PNG-heavy sets."""
     decode_threads: int = 0
-    """Threads that decode JPEGs on the host (a large one at a reduced scale: preprocess.scaled_decode;
-    preprocess.host_share), beside the num_threads that read and check the files; 0: one per core."""
+    """Threads that decode large JPEGs at a reduced scale (preprocess.scaled_decode), beside the
+    num_threads that read and check the files; 0: one per core."""
     storage_requests: int = 128
     """Object-storage sources: requests in flight (whole batches are read ahead to keep about
     this many; a store answers each after milliseconds to tens of them, a local disk at once)."""
@@ -263,7 +262,7 @@ class Config:
         need(p.pad_value is None or 0 <= p.pad_value <= 255, "preprocess.pad_value",
              "must be a pixel value in [0, 255], or null for the mean colour")
         need(0.0 <= p.hw_decoder_load <= 1.0, "preprocess.hw_decoder_load", "must be in [0, 1]")
-        need(0.0 <= p.host_share <= 1.0, "preprocess.host_share", "must be in [0, 1]")
+        need(0.0 <= p.scaled_share <= 1.0, "preprocess.scaled_share", "must be in [0, 1]")
         need(0 <= self.run.decode_threads <= 256, "run.decode_threads", "must be in 0..256 (0: one per core)")
         q = self.postprocess
         check_thresholds(q.score_threshold, q.iou_threshold, q.max_detections, where="postprocess.")

@@ -54,21 +54,21 @@ class Detector:
     def __init__(self, *, engine: Engine, preprocessor: Preprocessor, postprocess: Contract | Renamed,
                  thresholds: Thresholds, labels: list[str], contract: str, num_threads: int = 4,
                  max_pixels: int = 0, max_file_bytes: int = 0, max_batch_pixels: int = 0, prefetch_batches: int = 2,
-                 scaled: ScaledDecode | None = None, host_share: float = 1.0, decode_threads: int = 1,
+                 scaled: ScaledDecode | None = None, scaled_share: float = 1.0, decode_threads: int = 1,
                  storage_requests: int = 128, storage_read_ahead_mb: int = 512, storage_processes: int = 0,
                  config: Config | None = None):
         """The stages, built (`from_config` builds them from a config). thresholds: what the
         postprocess keeps unless a stream says otherwise. max_pixels, max_file_bytes: the
         source's checks (0: none); max_batch_pixels: what one DALI batch may decode (0: no bound).
-        num_threads: the threads that read and check files; decode_threads: those that decode JPEGs
-        here (`scaled`'s, for `host_share` of the batches). storage_requests,
+        num_threads: the threads that read and check files; decode_threads: those that decode large
+        JPEGs at a reduced scale (`scaled`, for `scaled_share` of the batches). storage_requests,
         storage_read_ahead_mb: how far an object-storage source is read ahead; storage_processes:
         how many processes fetch its objects (0: this one's threads). config: what built
         them, for reports."""
         self.engine, self.preprocessor, self.postprocess = engine, preprocessor, postprocess
         self.thresholds, self.labels, self.contract = thresholds, labels, contract
         self.num_threads, self.prefetch_batches = num_threads, prefetch_batches
-        self.scaled, self.host_share, self.decode_threads = scaled, host_share, decode_threads
+        self.scaled, self.scaled_share, self.decode_threads = scaled, scaled_share, decode_threads
         self.max_pixels, self.max_file_bytes, self.max_batch_pixels = max_pixels, max_file_bytes, max_batch_pixels
         self.storage_requests, self.storage_read_ahead_mb = storage_requests, storage_read_ahead_mb
         self.storage_processes = storage_processes
@@ -142,8 +142,8 @@ class Detector:
                    max_file_bytes=p.max_file_mb << 20, max_batch_pixels=p.max_batch_pixels,
                    prefetch_batches=r.prefetch_batches, storage_requests=r.storage_requests,
                    storage_read_ahead_mb=r.storage_read_ahead_mb, storage_processes=r.storage_processes,
-                   scaled=ScaledDecode(height, width, p.resize, every_jpeg=target.is_cuda) if p.scaled_decode else None,
-                   host_share=p.host_share if target.is_cuda else 1.0, config=config)
+                   scaled=ScaledDecode(height, width, p.resize) if p.scaled_decode else None,
+                   scaled_share=p.scaled_share if target.is_cuda else 1.0, config=config)
 
     def describe(self) -> dict:
         """What runs: the model file (path, sha256), its contract, inputs and outputs, ORT's providers."""
@@ -205,7 +205,7 @@ class Detector:
         reading: dict[int, Future] = {}  # slot -> the postprocess reading its buffers
         files = clock.timed(read_chunks(batches, batch_size=self.batch_size, num_threads=self.num_threads,
                                         max_pixels=self.max_pixels, max_bytes=self.max_file_bytes, scaled=self.scaled,
-                                        host_share=self.host_share, decode_threads=self.decode_threads,
+                                        scaled_share=self.scaled_share, decode_threads=self.decode_threads,
                                         lookahead=self.prefetch_batches,
                                         remote_requests=self.storage_requests,
                                         remote_ahead_bytes=self.storage_read_ahead_mb << 20,

@@ -143,9 +143,6 @@ class ScaledDecode:
     width: int
     """The model input the letterbox (or stretch) fills."""
     resize: str = "letterbox"
-    every_jpeg: bool = False
-    """Decode here the JPEGs that do not reduce too, whole: a GPU's host share (read_chunks),
-    where the host's cores decode some batches beside the hardware decoder."""
 
     def factor(self, width: int, height: int) -> int:
         """The reduction (1, 2, 4 or 8) for an image of width x height, as it is displayed (after
@@ -214,8 +211,7 @@ def checked_bytes(item: EncodedImage, max_pixels: int = 0,
             return decoded_here(item, f"jpeg ({JPEG_KINDS.get(frame.marker, 'hierarchical')}, "
                                       f"{frame.precision}-bit)")
         # CMYK and YCCK (4 components) stay DALI's: libjpeg-turbo does not turn them into RGB.
-        if scaled is not None and frame.components in (1, 3) and (scaled.every_jpeg or
-                                                                  scaled.reduces(frame.width, frame.height)):
+        if scaled is not None and frame.components in (1, 3) and scaled.reduces(frame.width, frame.height):
             return EncodedImage(ref, data, item.pixels, scaled=scaled)
     if kind == "jpeg2000":
         return decoded_here(item, "jpeg2000")
@@ -461,7 +457,7 @@ def fetch_processes(processes: int, requests: int, batch_size: int) -> int:
 
 
 def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_threads: int, max_pixels: int = 0,
-                max_bytes: int = 0, scaled: ScaledDecode | None = None, host_share: float = 1.0,
+                max_bytes: int = 0, scaled: ScaledDecode | None = None, scaled_share: float = 1.0,
                 decode_threads: int = 1, lookahead: int = 2, remote_requests: int = 128,
                 remote_ahead_bytes: int = 512 << 20, remote_processes: int = 0
                 ) -> Iterator[list[EncodedImage | PixelImage | ImageError] | None]:
@@ -480,9 +476,8 @@ def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_thr
     fetching.start_early started, else ones started at the first URL; so that the GIL this
     process's threads hold does not hold them back.
 
-    scaled: the JPEGs it takes (the large ones; every one with ScaledDecode.every_jpeg) of
-    `host_share` of the batches (spread evenly: batch k when floor((k + 1) * share) >
-    floor(k * share)) are decoded here, at a reduced scale where they are large, on decode_threads
+    scaled: the large JPEGs of `scaled_share` of the batches (spread evenly: batch k when
+    floor((k + 1) * share) > floor(k * share)) are decoded at a reduced scale on decode_threads
     threads of their own, one image a task, as soon as they are read; the other batches' go to
     DALI whole (on a GPU, its hardware decoder), so both work at once."""
     step = -(-batch_size // max(1, num_threads))
@@ -497,7 +492,7 @@ def read_chunks(chunks: Iterable[list[Item] | None], *, batch_size: int, num_thr
     try:
         def submit(chunk: list[Item]) -> tuple[list[Future], bool]:
             nonlocal count, processes
-            here = scaled if int((count + 1) * host_share) > int(count * host_share) else None
+            here = scaled if int((count + 1) * scaled_share) > int(count * scaled_share) else None
             count += 1
             if any(isinstance(i, ImageRef) and storage.is_url(i.path) for i in chunk):
                 if remote_processes and processes is None:

@@ -145,7 +145,7 @@ case "${1:-}" in
     versions | tee "$OUT/versions.txt"
     photos_800
     for spec in ${SHARES:-1.0}; do  # SHARE[,KEY=VALUE...]: the share, and more --set options
-      set_args "preprocess.host_share=$spec"
+      set_args "preprocess.scaled_share=$spec"
       bench "photos_scaled_$(tr -c '[:alnum:]_.\n' '_' <<< "$spec")${ROUND:+_$ROUND}" now "$IMAGES/photos/first800.txt" 800 \
         --skip-naive "${sets[@]}"
     done

@@ -1,9 +1,6 @@
 """Large JPEGs decoded at a reduced scale (preprocess.scaled_decode): the reduction chosen, the
-pixels it makes, and the same faces as a full decode, on the CPU (and the GPU); a GPU's host share
-(preprocess.host_share): every JPEG of its batches decoded by the host, the same faces."""
+pixels it makes, and the same faces as a full decode, on the CPU (and the GPU)."""
 
-
-import io
 
 import numpy as np
 import pytest
@@ -11,8 +8,7 @@ from PIL import Image
 
 from pipeline import Detector, ImageError
 from pipeline.results import ImageRef
-from pipeline import source
-from pipeline.source import EncodedImage, PixelImage, ScaledDecode, checked_bytes, decoded_scaled, read_all
+from pipeline.source import EncodedImage, PixelImage, ScaledDecode, checked_bytes, read_all
 
 from conftest import SAMPLES, cpu_and_cuda, encode
 
@@ -48,28 +44,6 @@ def test_a_large_jpeg_is_decoded_here_at_a_reduced_scale_with_its_orientation():
     assert checked_bytes(EncodedImage(ImageRef(2, "s.jpg"), small), scaled=scaled).scaled is None
 
 
-
-def test_a_host_share_decodes_every_jpeg_here_large_ones_reduced():
-    """ScaledDecode.every_jpeg (a GPU's host share): a small JPEG is decoded here too, whole, as
-    libjpeg-turbo decodes it; a large one still at a reduced scale; CMYK stays DALI's."""
-    every = ScaledDecode(640, 640, every_jpeg=True)
-    original = Image.open(SAMPLES / "grace_hopper.jpg").convert("RGB")
-    small = np.frombuffer(encode(original, "JPEG", quality=95), np.uint8)
-    assert checked_bytes(EncodedImage(ImageRef(0, "s.jpg"), small), scaled=every).scaled == every
-    large = np.frombuffer(encode(big("grace_hopper.jpg"), "JPEG", quality=90), np.uint8)
-    cmyk = np.frombuffer(encode(original.convert("CMYK"), "JPEG"), np.uint8)
-    assert checked_bytes(EncodedImage(ImageRef(1, "c.jpg"), cmyk), scaled=every).scaled is None
-    whole, reduced = read_all([EncodedImage(ImageRef(0, "s.jpg"), small), EncodedImage(ImageRef(1, "l.jpg"), large)],
-                              scaled=every)
-    assert isinstance(whole, PixelImage) and whole.data.shape == (original.height, original.width, 3)
-    assert whole.original_hw == (original.height, original.width)
-    pil = np.asarray(Image.open(SAMPLES / "grace_hopper.jpg").convert("RGB"), np.int16)
-    assert np.abs(whole.data.astype(np.int16) - np.asarray(Image.open(io.BytesIO(small.tobytes())).convert("RGB"),
-                                                          np.int16)).max() <= 2
-    assert np.abs(whole.data.astype(np.int16) - pil).mean() < 3
-    assert isinstance(reduced, PixelImage) and reduced.original_hw == (original.height * 5, original.width * 5)
-    assert reduced.data.shape[0] < original.height * 5
-
 def iou(a, b) -> float:
     lt, rb = np.maximum(a[:2], b[:2]), np.minimum(a[2:], b[2:])
     inter = np.prod(np.clip(rb - lt, 0, None))
@@ -92,51 +66,17 @@ def test_the_scaled_decode_finds_the_full_decodes_faces(tmp_path, device):
         image.transpose(Image.Transpose.ROTATE_270).save(paths[-1], quality=90, exif=exif.tobytes())
     paths.append(tmp_path / "grey.jpg")
     big("camera.png").convert("L").save(paths[-1], quality=90)
-    runs = []
-    for scaled in ("false", "true"):
-        detector = Detector.from_config(device=device, overrides=[f"preprocess.scaled_decode={scaled}"])
-        runs.append(list(detector.run([str(p) for p in paths])))
-    same_faces(runs, at_least=2 * 7)  # three faces, each upright and turned, and the grey camera: both ways
-
-
-def same_faces(runs: list[list], at_least: int) -> None:
-    """Two runs over the same images: the same sizes, and every face scoring 0.9 or more in one
-    found by the other at IoU 0.85 or more, both ways; at_least such faces in all."""
-    assert not any(isinstance(r, ImageError) for rs in runs for r in rs)
+    runs = {}
+    for scaled in (False, True):
+        detector = Detector.from_config(device=device, overrides=[f"preprocess.scaled_decode={str(scaled).lower()}"])
+        runs[scaled] = list(detector.run([str(p) for p in paths]))
+    assert not any(isinstance(r, ImageError) for rs in runs.values() for r in rs)
     faces = 0
-    for first, second in zip(*runs):
-        assert (first.width, first.height) == (second.width, second.height)
-        for one, other in ((first, second), (second, first)):
+    for full, scaled in zip(runs[False], runs[True]):
+        assert (full.width, full.height) == (scaled.width, scaled.height)
+        for one, other in ((full, scaled), (scaled, full)):
             for box, score in zip(one.boxes_xyxy, one.scores):
                 if score >= 0.9:
                     faces += 1
                     assert max((iou(box, b) for b in other.boxes_xyxy), default=0) >= 0.85, (one.path, box)
-    assert faces >= at_least
-
-
-@pytest.mark.cuda
-def test_a_host_share_finds_the_hardware_decoders_faces(tmp_path, monkeypatch):
-    """On a GPU, half the batches' JPEGs decoded by the host (preprocess.host_share=0.5, batches
-    of one: the EXIF-turned images) find the faces DALI finds decoding them all."""
-    paths = []
-    for name in ("astronaut.png", "grace_hopper.jpg", "camera.png", "chelsea.png"):
-        image = Image.open(SAMPLES / name).convert("RGB")
-        paths.append(tmp_path / f"{name}.jpg")
-        image.save(paths[-1], quality=90)
-        exif = Image.Exif()
-        exif[0x0112] = 6
-        paths.append(tmp_path / f"{name}_turned.jpg")
-        image.transpose(Image.Transpose.ROTATE_90).save(paths[-1], quality=90, exif=exif.tobytes())
-    here = []
-
-    def counted(item, scaled):
-        here.append(item.ref.path)
-        return decoded_scaled(item, scaled)
-
-    monkeypatch.setattr(source, "decoded_scaled", counted)
-    runs = []
-    for share in ("0", "0.5"):
-        detector = Detector.from_config(device="cuda", overrides=[f"preprocess.host_share={share}", "run.batch_size=1"])
-        runs.append(list(detector.run([str(p) for p in paths])))
-    assert sorted(here) == sorted(str(p) for p in paths[1::2])  # the second run's turned images, by the host
-    same_faces(runs, at_least=2 * 6)  # three faces, each upright and turned: both ways
+    assert faces >= 2 * 7  # three faces, each upright and turned, and the grey camera: both ways
