@@ -524,8 +524,15 @@ def streams_table() -> str:
 
 COCO_BATCHES = (("32 (the default)", "coco20k/batch32_e19444f"), ("64", "coco20k/batch64_e19444f"),
                 ("32, round 1", "coco20k/h100_3626c6a/batch32_1"), ("64, round 1", "coco20k/h100_3626c6a/batch64_1"),
-                ("32, round 2", "coco20k/h100_3626c6a/batch32_2"), ("64, round 2", "coco20k/h100_3626c6a/batch64_2"))
-"""(`run.batch_size`, the report): e19444f's one after the other, 3626c6a's in turn twice (`gpu_check.sh batches`)."""
+                ("32, round 2", "coco20k/h100_3626c6a/batch32_2"), ("64, round 2", "coco20k/h100_3626c6a/batch64_2"),
+                ("64 (H200)", "coco20k/h200_ee5e01b/b64_now"),
+                ("64, `preprocess.host_share=0.25` (H200)", "coco20k/h200_ee5e01b/b64_h25"),
+                ("64, `preprocess.host_share=0.4` (H200)", "coco20k/h200_ee5e01b/b64_h40"),
+                ("64 (H200)", "coco20k/h200_ee5e01b/b64_now_2"),
+                ("64, `preprocess.host_share=0.25` (H200)", "coco20k/h200_ee5e01b/b64_h25_2"),
+                ("32 (H200)", "coco20k/h200_ee5e01b/b32_now"))
+"""(`run.batch_size`, the report): e19444f's one after the other, 3626c6a's in turn twice (`gpu_check.sh batches`);
+ee5e01b's in the order listed, on an H200, the host decoding a share of the batches' JPEGs whole in some."""
 
 
 def batch_table() -> str:
@@ -542,10 +549,12 @@ def batch_table() -> str:
                      f"{stages['postprocess']:.2f} s | {stages['gpu_utilisation_percent']:.0f}% |")
     r, last = load(COCO_BATCHES[0][1]), load(COCO_BATCHES[-1][1])
     return "\n".join(lines + ["", f"The default config over {num(r['images'])} distinct COCO-sized JPEGs; e19444f's "
-                               "one after the other in one session, 3626c6a's in turn, twice, in another; "
-                               f"{r['machine']['gpus'][0]}, {' and '.join(sorted({r['date'][:10], last['date'][:10]}))}. Command: "
-                               "`gpudet bench coco/list.txt --device cuda --limit 20000 --skip-naive --set "
-                               "run.batch_size=N` (`ROUNDS=2 bash scripts/gpu_check.sh batches`)."])
+                               "one after the other in one session, 3626c6a's in turn, twice, in another, on an "
+                               f"{r['machine']['gpus'][0]}; ee5e01b's in the order listed in a third, on an "
+                               f"{last['machine']['gpus'][0]}; {' and '.join(sorted({r['date'][:10], last['date'][:10]}))}. "
+                               "Command: `gpudet bench coco/list.txt --device cuda --limit 20000 --skip-naive --set "
+                               "run.batch_size=N` (`ROUNDS=2 bash scripts/gpu_check.sh batches`), with `--set "
+                               "preprocess.host_share=S` where the row says."])
 
 
 PROFILE = "profile/coco_8000"
