@@ -42,10 +42,12 @@ image_set() {  # the JPEGs of scripts/make_image_set.py (crops of the bundled ph
   for _ in $(seq 28); do cat "$IMAGES/jpg.txt"; done > "$IMAGES/jpg_x28.txt"
 }
 
-kind_set() {  # KIND COUNT: users' workloads, every file distinct (scripts/make_image_set.py --kind)
-  [ -f "$IMAGES/$1/list.txt" ] && return
-  $PY "$ROOT/scripts/make_image_set.py" "$IMAGES/$1" --kind "$1" --count "$2" | tee -a "$OUT/sets.txt"
-  du -sh "$IMAGES/$1" | tee -a "$OUT/sets.txt"
+kind_set() {  # KIND COUNT [NAME]: users' workloads, every file distinct (scripts/make_image_set.py --kind), in
+  # $IMAGES/NAME (default: KIND)
+  local dir=$IMAGES/${3:-$1}
+  [ -f "$dir/list.txt" ] && return
+  $PY "$ROOT/scripts/make_image_set.py" "$dir" --kind "$1" --count "$2" | tee -a "$OUT/sets.txt"
+  du -sh "$dir" | tee -a "$OUT/sets.txt"
 }
 
 photos_800() {  # the 12 MP photos (PHOTOS of them), and the first 800 as first800.txt, the benches' list
@@ -184,12 +186,10 @@ case "${1:-}" in
       done
     done
     if [ -n "${DETECT_COUNT:-}" ]; then
-      many=$IMAGES/coco_$DETECT_COUNT
-      [ -f "$many/list.txt" ] || $PY "$ROOT/scripts/make_image_set.py" "$many" --kind coco --count "$DETECT_COUNT" \
-        | tee -a "$OUT/sets.txt"
+      kind_set coco "$DETECT_COUNT" "coco_$DETECT_COUNT"
       for round in $(seq "${ROUNDS:-2}"); do
         for n in ${BATCHES:-32 64}; do
-          timed_detect "coco${DETECT_COUNT}_batch${n}_$round" now "$many/list.txt" --set "run.batch_size=$n"
+          timed_detect "coco${DETECT_COUNT}_batch${n}_$round" now "$IMAGES/coco_$DETECT_COUNT/list.txt" --set "run.batch_size=$n"
         done
       done
     fi
