@@ -13,10 +13,12 @@
 #   OUT=DIR bash scripts/gpu_check.sh coco        # COCO-sized JPEGs and the mixed set: bench, and detect over 20,000
 #   OUT=DIR bash scripts/gpu_check.sh batches     # the bench per run.batch_size (BATCHES, ROUNDS; BATCH_SET coco|photos|crops;
 #                                                 # DETECT_COUNT=100000: the default detect over that many COCO-sized JPEGs)
+#   OUT=DIR SETS="KEY=VALUE[,KEY=VALUE...] ..." bash scripts/gpu_check.sh sweep  # the bench with each (BATCH_SET, ROUNDS)
 #   OUT=DIR BEFORE=DIR bash scripts/gpu_check.sh ab  # BEFORE and this tree in turn, ROUNDS times: bench and detect
 #     (AB="NAME=DIR NAME=DIR ...": those trees, then this one, in turn; DETECT_TREES: the names whose detect runs)
 #   OUT=DIR YOLO_MODELS="a.onnx b.onnx" bash scripts/gpu_check.sh yolo  # YOLO exports: bench beside ORT alone
 #   OUT=DIR bash scripts/gpu_check.sh profile     # scripts/profile_loop.py over COCO-sized JPEGs (its trace in /tmp)
+#   OUT=DIR bash scripts/gpu_check.sh parts       # scripts/loop_parts.py over COCO-sized JPEGs (PARTS_SET, PY_SPY, LIMIT)
 #   OUT=DIR RCLONE=BIN bash scripts/gpu_check.sh s3  # detect over the COCO-sized set: local disk, then an S3 server here
 #     (S3_SETS="KEY=VALUE[,KEY=VALUE] ...": one more S3 run with each; RCLONE_FLAGS: the server's options;
 #     RATE_SHAPES="PROCESSES:THREADS ...": a plain client against the server; READER_SHAPES="PROCESSES:REQUESTS
@@ -53,6 +55,16 @@ kind_set() {  # KIND COUNT [NAME]: users' workloads, every file distinct (script
 photos_800() {  # the 12 MP photos (PHOTOS of them), and the first 800 as first800.txt, the benches' list
   kind_set photos "${PHOTOS:-3200}"
   head -800 "$IMAGES/photos/list.txt" > "$IMAGES/photos/first800.txt"
+}
+
+bench_set() {  # BATCH_SET (coco, photos or crops) made once: its name, list and limit in bset, list and limit
+  bset=${BATCH_SET:-coco}
+  case $bset in
+    coco) kind_set coco "${COCO:-20000}"; list=$IMAGES/coco/list.txt; limit=20000 ;;
+    photos) photos_800; list=$IMAGES/photos/first800.txt; limit=800 ;;
+    crops) image_set; list=$IMAGES/jpg.txt; limit=4000 ;;
+    *) echo "BATCH_SET: coco, photos or crops" >&2; exit 2 ;;
+  esac
 }
 
 set_args() {  # KEY=VALUE[,KEY=VALUE]: one --set each in the array `sets`, split at a comma that starts a new
@@ -173,13 +185,7 @@ case "${1:-}" in
     # COCO-sized JPEGs), photos (800 of the 12 MP photos) or crops (the 3,796 crops); DETECT_COUNT=N: then the
     # default detect from the shell over N distinct COCO-sized JPEGs at each batch size, in turn ROUNDS times
     versions | tee "$OUT/versions.txt"
-    bset=${BATCH_SET:-coco}
-    case $bset in
-      coco) kind_set coco "${COCO:-20000}"; list=$IMAGES/coco/list.txt; limit=20000 ;;
-      photos) photos_800; list=$IMAGES/photos/first800.txt; limit=800 ;;
-      crops) image_set; list=$IMAGES/jpg.txt; limit=4000 ;;
-      *) echo "BATCH_SET: coco, photos or crops" >&2; exit 2 ;;
-    esac
+    bench_set
     for round in $(seq "${ROUNDS:-2}"); do
       for n in ${BATCHES:-32 64}; do
         bench "${bset}_batch${n}_$round" now "$list" "$limit" --skip-naive --set "run.batch_size=$n"
@@ -193,6 +199,19 @@ case "${1:-}" in
         done
       done
     fi
+    ;;
+  sweep)
+    # The default bench over BATCH_SET (as batches) with each of SETS ("KEY=VALUE[,KEY=VALUE...] ...";
+    # "-": the config as it is), in turn ROUNDS times: which setting moves the loop, side by side
+    versions | tee "$OUT/versions.txt"
+    bench_set
+    for round in $(seq "${ROUNDS:-1}"); do
+      for spec in ${SETS:--}; do
+        sets=(); tag=config
+        [ "$spec" = - ] || { set_args "$spec"; tag=$(tr -c '[:alnum:]_.=\n' '_' <<< "$spec"); }
+        bench "${bset}_${tag}_$round" now "$list" "$limit" --skip-naive "${sets[@]}"
+      done
+    done
     ;;
   ab)
     # Trees in turn on one machine, so that a drift of the machine (which moved one tree's loop by
@@ -234,6 +253,15 @@ case "${1:-}" in
     kind_set coco "${COCO:-20000}"
     $PY "$ROOT/scripts/profile_loop.py" "$IMAGES/coco/list.txt" --out "$OUT/profile" --limit "${LIMIT:-8000}" \
       --trace /tmp/gpudet-trace.json ${PROFILE_SET:+--set "$PROFILE_SET"} 2>&1 | quiet | tail -60
+    ;;
+  parts)
+    # scripts/loop_parts.py over the COCO-sized JPEGs: the loop's parts, one added at a time (PARTS_SET:
+    # KEY=VALUE[,KEY=VALUE...], default run.batch_size=64; PY_SPY: py-spy's binary, to sample the records loop)
+    versions | tee "$OUT/versions.txt"
+    kind_set coco "${COCO:-20000}"
+    set_args "${PARTS_SET:-run.batch_size=64}"
+    $PY "$ROOT/scripts/loop_parts.py" "$IMAGES/coco/list.txt" --out "$OUT/parts" --limit "${LIMIT:-10000}" "${sets[@]}" \
+      ${PY_SPY:+--py-spy "$PY_SPY"} 2>&1 | quiet | tail -20
     ;;
   s3)
     # The default detect over the 20,000 COCO-sized JPEGs read from the local disk and from an S3
