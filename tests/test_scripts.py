@@ -134,3 +134,23 @@ def test_the_profile_summary_finds_where_the_gpu_idles():
                                     "at_least_us": 20.0}
     assert summary["during_idle_ms"] == {"thread 1: stage: postprocess": 0.6, "thread 5: cudaStreamSynchronize": 0.2}
     assert summary["gpu_time_by_name_ms"] == {"kernel: conv": 0.1, "gpu_memcpy: copy": 0.1}
+
+
+def test_the_loop_parts_each_run_and_are_reported(tmp_path):
+    """scripts/loop_parts.py on the CPU over a few distinct JPEGs: every part of the loop runs over
+    every image and gets its rate in parts.json, with the code that ran."""
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_image_set.py"), str(tmp_path / "images"),
+                    "--kind", "coco", "--count", "8", "--workers", "1"], check=True, capture_output=True, timeout=120)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import loop_parts
+
+    out = tmp_path / "parts"
+    assert loop_parts.main([str(tmp_path / "images" / "list.txt"), "--out", str(out), "--set", "run.device=cpu",
+                            "--set", "run.cpu_batch_size=4", "--repeats", "1", "--model-iterations", "1"]) == 0
+    report = json.loads((out / "parts.json").read_text())
+    assert report["images"] == 8 and report["batch_size"] == 4 and report["device"] == "cpu"
+    assert set(report["images_per_s"]) == {"dali", "dali+model", "dali|model", "stream_bytes", "stream_files",
+                                           "records"}
+    assert all(len(rates) == 1 and rates[0] > 0 for rates in report["images_per_s"].values())
+    assert len(report["model_beside_dali_images_per_s"]) == 2 and report["model_alone_images_per_s"] > 0
+    assert report["gpudet"]["code_tree"] and report["command"].startswith("python scripts/loop_parts.py")
