@@ -64,15 +64,16 @@ class Parts:
         """Each batch into the engine's output slots in turn; a slot is reused once its run is done."""
         detector, engine = self.detector, self.detector.engine
         running: deque = deque()
-        count = 0
-        for batch in preprocess_stream(detector.preprocessor, self.batches, refuse, depth=detector.prefetch_batches):
+        images = 0
+        for number, batch in enumerate(preprocess_stream(detector.preprocessor, self.batches, refuse,
+                                                         depth=detector.prefetch_batches)):
             if len(running) == engine.slots:
                 finished(running.popleft()[1])
-            running.append((batch, engine.submit(engine.launch, batch.images, count % engine.slots)))
-            count += len(batch.refs)
+            running.append((batch, engine.submit(engine.launch, batch.images, number % engine.slots)))
+            images += len(batch.refs)
         for _, launched in running:
             finished(launched)
-        return count
+        return images
 
     def dali_beside_model(self) -> int:
         engine, stop, runs = self.detector.engine, threading.Event(), [0]
