@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -133,8 +134,6 @@ def rates(part, repeats: int) -> list[float]:
 def py_spy(binary: str, out: Path, detector: Detector, refs: list[ImageRef], seconds: int) -> dict:
     """py-spy over this process while the records loop runs: every thread (idle ones too), then the
     threads holding the GIL; the loop's rates under each."""
-    import os
-
     under = {}
     for name, flag in (("all", "--idle"), ("gil", "--gil")):
         spy = subprocess.Popen([binary, "record", "--pid", str(os.getpid()), "--duration", str(seconds), "--rate", "200",
@@ -172,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("records", parts.records)):
         report["images_per_s"][name] = rates(part, args.repeats)
         print(f"{name:<13} {report['images_per_s'][name]} img/s", flush=True)
-    report["model_beside_dali_images_per_s"] = [round(r, 1) for r in parts.model_beside]
+    # one per run of "dali|model", its warm-up first: the timed runs' rates
+    report["model_beside_dali_images_per_s"] = [round(r, 1) for r in parts.model_beside[1:]]
     if args.py_spy:
         report["py_spy"] = py_spy(args.py_spy, args.out, detector, refs, args.py_spy_seconds)
     report.update(machine=host, gpudet=code_version(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -152,5 +152,5 @@ def test_the_loop_parts_each_run_and_are_reported(tmp_path):
     assert set(report["images_per_s"]) == {"dali", "dali+model", "dali|model", "stream_bytes", "stream_files",
                                            "records"}
     assert all(len(rates) == 1 and rates[0] > 0 for rates in report["images_per_s"].values())
-    assert len(report["model_beside_dali_images_per_s"]) == 2 and report["model_alone_images_per_s"] > 0
+    assert len(report["model_beside_dali_images_per_s"]) == 1 and report["model_alone_images_per_s"] > 0
     assert report["gpudet"]["code_tree"] and report["command"].startswith("python scripts/loop_parts.py")
