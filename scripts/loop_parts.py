@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pipeline.bench import code_version, gpudet_passes, machine  # noqa: E402
+from pipeline.bench import code_version, gpudet_passes, machine, model_images_per_s  # noqa: E402
 from pipeline.detector import Detector  # noqa: E402
 from pipeline.listing import list_images  # noqa: E402
 from pipeline.preprocess import preprocess_stream  # noqa: E402
@@ -104,15 +104,6 @@ class Parts:
         gpudet_passes(self.refs, self.detector, 1, warm_up=False)  # raises if an image fails
         return len(self.refs)
 
-    def model(self, iterations: int) -> float:
-        engine, images = self.detector.engine, self.one_batch.images
-        for _ in range(3):
-            engine.run(images)
-        start = time.perf_counter()
-        for _ in range(iterations):
-            engine.run(images)
-        return iterations * self.detector.batch_size / (time.perf_counter() - start)
-
 
 def finished(launched) -> None:
     """Wait on the host for a model run queued by Engine.launch."""
@@ -165,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = Parts(detector, refs)
     report = {"images": len(refs), "batch_size": detector.batch_size, "device": detector.device.describe(),
               "config": detector.config.source_file, "sets": args.set,
-              "model_alone_images_per_s": round(parts.model(args.model_iterations), 1), "images_per_s": {}}
+              "model_alone_images_per_s": round(model_images_per_s(parts.items[:detector.batch_size], detector,
+                                                                   args.model_iterations), 1), "images_per_s": {}}
     for name, part in (("dali", parts.dali), ("dali+model", parts.dali_model), ("dali|model", parts.dali_beside_model),
                        ("stream_bytes", parts.stream_bytes), ("stream_files", parts.stream_files),
                        ("records", parts.records)):
