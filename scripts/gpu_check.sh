@@ -202,13 +202,14 @@ case "${1:-}" in
     ;;
   sweep)
     # The default bench over BATCH_SET (as batches) with each of SETS ("KEY=VALUE[,KEY=VALUE...] ...";
-    # "-": the config as it is), in turn ROUNDS times: which setting moves the loop, side by side
+    # "-": the config as it is), in turn ROUNDS times: which setting moves the loop, side by side (a report is
+    # named by its spec, each character but letters, digits, _ and . as _: the GPU machine returns no name with =)
     versions | tee "$OUT/versions.txt"
     bench_set
     for round in $(seq "${ROUNDS:-1}"); do
       for spec in ${SETS:--}; do
         sets=(); tag=config
-        [ "$spec" = - ] || { set_args "$spec"; tag=$(tr -c '[:alnum:]_.=\n' '_' <<< "$spec"); }
+        [ "$spec" = - ] || { set_args "$spec"; tag=$(tr -c '[:alnum:]_.\n' '_' <<< "$spec"); }
         bench "${bset}_${tag}_$round" now "$list" "$limit" --skip-naive "${sets[@]}"
       done
     done

@@ -11,7 +11,8 @@ added at a time, side by side in one process.
 
 Each part runs once to warm up, then --repeats times; the report keeps every rate. --py-spy BIN
 then samples the records loop with py-spy, every thread and then the threads holding the GIL
-(OUT/pyspy_all.txt, OUT/pyspy_gil.txt, py-spy's raw format).
+(OUT/pyspy_all.txt, OUT/pyspy_gil.txt, py-spy's raw format), and parts.json says per thread where
+its samples were (`summarise_py_spy`): whether the loop's thread waits or works, how busy the GIL is.
 
     python scripts/loop_parts.py LIST --out DIR [--limit 10000] [--config NAME] [--set KEY=VALUE ...]
 """
@@ -21,11 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -122,18 +124,51 @@ def rates(part, repeats: int) -> list[float]:
     return out
 
 
+PY_SPY_RATE = 200  # samples per second
+
+
+def summarise_py_spy(raw: Path, ticks: int, top: int = 4) -> dict:
+    """py-spy's raw samples (one `THREAD;FRAME;...;FRAME COUNT` line per distinct stack) per thread
+    name, pool threads of one name together: their samples as a share of `ticks` (the duration times
+    the rate: with --gil, how long each thread held the GIL), and where they were, as the deepest
+    frame in gpudet's package (`pipeline/`) and the innermost frame, most samples first, as shares
+    of the thread's samples."""
+    threads: dict[str, Counter] = {}
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        thread, *frames = stack.split(";")
+        name = re.sub(r"^thread \((?:0x)?[0-9a-fA-F]+\):\s*", "", thread) or thread
+        ours = [f for f in frames if "pipeline/" in f]
+        where = f"{ours[-1] if ours else '-'} > {frames[-1] if frames else '-'}"
+        threads.setdefault(name, Counter())[where] += int(count)
+    samples = sum(sum(c.values()) for c in threads.values())
+    summary = {"ticks": ticks, "samples": samples, "share_of_ticks": round(samples / ticks, 3), "threads": {}}
+    for name, places in sorted(threads.items(), key=lambda item: -sum(item[1].values())):
+        samples = sum(places.values())
+        summary["threads"][name] = {
+            "samples": samples, "share_of_ticks": round(samples / ticks, 3),
+            "where": [[place, round(n / samples, 3)] for place, n in places.most_common(top)]}
+    return summary
+
+
 def py_spy(binary: str, out: Path, detector: Detector, refs: list[ImageRef], seconds: int) -> dict:
     """py-spy over this process while the records loop runs: every thread (idle ones too), then the
-    threads holding the GIL; the loop's rates under each."""
+    threads holding the GIL; the loop's rates under each, and the samples summarised."""
     under = {}
     for name, flag in (("all", "--idle"), ("gil", "--gil")):
-        spy = subprocess.Popen([binary, "record", "--pid", str(os.getpid()), "--duration", str(seconds), "--rate", "200",
-                                "--threads", "--nonblocking", "--format", "raw", "-o", str(out / f"pyspy_{name}.txt"),
+        raw = out / f"pyspy_{name}.txt"
+        spy = subprocess.Popen([binary, "record", "--pid", str(os.getpid()), "--duration", str(seconds),
+                                "--rate", str(PY_SPY_RATE),
+                                "--threads", "--nonblocking", "--format", "raw", "-o", str(raw),
                                 flag], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         passes = []
         while spy.poll() is None:
             passes += [round(p.images_per_s, 1) for p in gpudet_passes(refs, detector, 1, warm_up=False)]
         under[name] = {"returncode": spy.returncode, "stderr": spy.stderr.read()[-500:], "records_images_per_s": passes}
+        if spy.returncode == 0 and raw.exists():
+            under[name]["summary"] = summarise_py_spy(raw, seconds * PY_SPY_RATE)
     return under
 
 

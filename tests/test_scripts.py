@@ -154,3 +154,29 @@ def test_the_loop_parts_each_run_and_are_reported(tmp_path):
     assert all(len(rates) == 1 and rates[0] > 0 for rates in report["images_per_s"].values())
     assert len(report["model_beside_dali_images_per_s"]) == 1 and report["model_alone_images_per_s"] > 0
     assert report["gpudet"]["code_tree"] and report["command"].startswith("python scripts/loop_parts.py")
+
+
+def test_py_spy_samples_are_summarised_per_thread_name(tmp_path):
+    """loop_parts.summarise_py_spy: a pool's threads of one name count together, each sample is
+    placed at the deepest frame in gpudet's package and the innermost frame, and the shares are of
+    the thread's samples and of the ticks."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import loop_parts
+
+    raw = tmp_path / "pyspy.txt"
+    raw.write_text(
+        "thread (11): MainThread;main (loop_parts.py:1);Preprocessor.result (pipeline/preprocess.py:199);"
+        "Pipeline._outputs (nvidia/dali/pipeline.py:1503) 30\n"
+        "thread (11): MainThread;main (loop_parts.py:1);Preprocessor.submit (pipeline/preprocess.py:188) 10\n"
+        "thread (0x1f): gpudet-read_0;_worker (concurrent/futures/thread.py:89) 5\n"
+        "thread (12): gpudet-read_0;read_file (pipeline/source.py:58) 15\n\n")
+    summary = loop_parts.summarise_py_spy(raw, ticks=100)
+    assert (summary["samples"], summary["share_of_ticks"]) == (60, 0.6)
+    assert list(summary["threads"]) == ["MainThread", "gpudet-read_0"]
+    main = summary["threads"]["MainThread"]
+    assert (main["samples"], main["share_of_ticks"]) == (40, 0.4)
+    waiting = "Preprocessor.result (pipeline/preprocess.py:199) > Pipeline._outputs (nvidia/dali/pipeline.py:1503)"
+    assert main["where"][0] == [waiting, 0.75]
+    assert summary["threads"]["gpudet-read_0"]["where"] == [
+        ["read_file (pipeline/source.py:58) > read_file (pipeline/source.py:58)", 0.75],
+        ["- > _worker (concurrent/futures/thread.py:89)", 0.25]]
