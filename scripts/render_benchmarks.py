@@ -557,6 +557,72 @@ def batch_table() -> str:
                                "preprocess.host_share=S` where the row says."])
 
 
+BATCH_SETS = (("crops", "crops"), ("12 MP photos", "photos"))
+"""(the set, its reports' prefix): `BATCH_SET=crops|photos ROUNDS=1 bash scripts/gpu_check.sh batches` at edeba90."""
+
+
+def batch_sets_table() -> str:
+    lines = ["| images | `run.batch_size` | gpudet loop img/s (passes) | DALI alone | ORT alone | "
+             "the loop waited on DALI | GPU busy |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for label, prefix in BATCH_SETS:
+        for size in (32, 64):
+            r = load(f"batch_sets/h100_edeba90/{prefix}_batch{size}_1")
+            rates, stages = r["images_per_s"], r["gpudet_stages_s"]
+            lines.append(f"| {num(r['images'])} {label} | {size} | **{num(rates['gpudet'])}** ({passes(r)}) | {num(rates['preprocess'])} | "
+                         f"{num(rates['model'])} | {stages['preprocess']:.2f} s | "
+                         f"{stages['gpu_utilisation_percent']:.0f}% |")
+    return "\n".join(lines + ["", f"The default config at each batch size, one after the other; {gpu_name(r)}; tree "
+                               f"{r['tree']['commit']}; {r['date'][:10]}. Command: `gpudet bench LIST --device cuda "
+                               "--limit N --skip-naive --set run.batch_size=B` (`BATCH_SET=crops ROUNDS=1 bash "
+                               "scripts/gpu_check.sh batches`, then `BATCH_SET=photos PHOTOS=800`)."])
+
+
+PARTS = (("batch 32, 20,000 images", "parts/h100_edeba90/batch32_20000"),
+         ("batch 64, 10,000 images", "parts/h100_edeba90/batch64_10000"))
+"""(the column, the report): scripts/loop_parts.py over the COCO-sized JPEGs (`gpu_check.sh parts`)."""
+PART_ROWS = (("dali", "DALI alone (decode, letterbox, normalize)"),
+             ("dali+model", "DALI, then the model on each batch (no postprocess)"),
+             ("dali|model", "DALI alone, the model running back to back beside it"),
+             ("model beside", "the model beside it, meanwhile"),
+             ("model alone", "the model alone, on one batch"),
+             ("stream_bytes", "`Detector.stream` over the files' bytes in memory"),
+             ("stream_files", "the same over the files"),
+             ("records", "the records loop of `gpudet bench`"))
+
+
+def parts_table() -> str:
+    reports = [(label, load(name)) for label, name in PARTS]
+    lines = ["| img/s | " + " | ".join(label for label, _ in reports) + " |",
+             "| --- |" + " --- |" * len(reports)]
+
+    def cell(r: dict, key: str) -> str:
+        if key == "model alone":
+            return num(r["model_alone_images_per_s"])
+        rates = r["model_beside_dali_images_per_s"] if key == "model beside" else r["images_per_s"][key]
+        text = ", ".join(num(v) for v in rates)
+        return f"**{text}**" if key in ("dali", "dali|model", "records") else text
+
+    lines += [f"| {label} | " + " | ".join(cell(r, key) for _, r in reports) + " |" for key, label in PART_ROWS]
+    def share(beside: list[float], alone: float) -> str:
+        return f"{statistics.mean(beside) / alone:.0%}"
+
+    lines.append("| DALI beside the model, of DALI alone | " + " | ".join(
+        share(r["images_per_s"]["dali|model"], statistics.mean(r["images_per_s"]["dali"])) for _, r in reports) + " |")
+    lines.append("| the model beside DALI, of the model alone | " + " | ".join(
+        share(r["model_beside_dali_images_per_s"], r["model_alone_images_per_s"]) for _, r in reports) + " |")
+    lines.append("| the records loop, of DALI alone | " + " | ".join(
+        share(r["images_per_s"]["records"], statistics.mean(r["images_per_s"]["dali"])) for _, r in reports) + " |")
+    r = reports[0][1]
+    m = r["machine"]
+    return "\n".join(lines + ["", f"Distinct COCO-sized JPEGs (`make_image_set.py --kind coco`), the default config at "
+                               "each batch size; each part once to warm up, then twice (both rates); "
+                               f"{m['gpus'][0]}, {m['cores']} cores; torch {m['torch']}, onnxruntime "
+                               f"{m['onnxruntime']}, DALI {m['dali']}; tree {r['tree']['commit']}; {r['date'][:10]}. "
+                               "Command: `python scripts/loop_parts.py coco/list.txt --out DIR --limit N --set "
+                               "run.batch_size=B` (`PARTS_SET=run.batch_size=B LIMIT=N bash scripts/gpu_check.sh "
+                               "parts`)."])
+
+
 PROFILE = "profile/coco_8000"
 """scripts/profile_loop.py over COCO-sized JPEGs: where the GPU idles in the default loop."""
 
@@ -588,7 +654,8 @@ def shorten(command: str) -> str:
 SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "retinanet": retinanet_table,
             "ray": ray_table, "formats": formats_table, "threads": threads_table,
             "omp": omp_table, "cpu": cpu_table, "expert": expert_table, "s3": s3_table,
-            "profile": profile_table, "yolo": yolo_table, "batches": batch_table, "streams": streams_table}
+            "profile": profile_table, "yolo": yolo_table, "batches": batch_table, "streams": streams_table,
+            "batch_sets": batch_sets_table, "parts": parts_table}
 
 
 ALL_SECTIONS = SECTIONS | {"speed": speed_table}
