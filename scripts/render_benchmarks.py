@@ -530,9 +530,14 @@ COCO_BATCHES = (("32 (the default)", "coco20k/batch32_e19444f"), ("64", "coco20k
                 ("64, `preprocess.host_share=0.4` (H200)", "coco20k/h200_ee5e01b/b64_h40"),
                 ("64 (H200)", "coco20k/h200_ee5e01b/b64_now_2"),
                 ("64, `preprocess.host_share=0.25` (H200)", "coco20k/h200_ee5e01b/b64_h25_2"),
-                ("32 (H200)", "coco20k/h200_ee5e01b/b32_now"))
+                ("32 (H200)", "coco20k/h200_ee5e01b/b32_now"),
+                ("32, round 1", "coco20k/h100_45be7ef/batch32_1"), ("`run.num_threads=8`, round 1", "coco20k/h100_45be7ef/threads8_1"),
+                ("64, round 1", "coco20k/h100_45be7ef/batch64_1"),
+                ("32, round 2", "coco20k/h100_45be7ef/batch32_2"), ("`run.num_threads=8`, round 2", "coco20k/h100_45be7ef/threads8_2"),
+                ("64, round 2", "coco20k/h100_45be7ef/batch64_2"))
 """(`run.batch_size`, the report): e19444f's one after the other, 3626c6a's in turn twice (`gpu_check.sh batches`);
-ee5e01b's in the order listed, on an H200, the host decoding a share of the batches' JPEGs whole in some."""
+ee5e01b's in the order listed, on an H200, the host decoding a share of the batches' JPEGs whole in some; 45be7ef's
+in turn twice (`gpu_check.sh sweep`)."""
 
 
 def batch_table() -> str:
@@ -551,10 +556,13 @@ def batch_table() -> str:
     return "\n".join(lines + ["", f"The default config over {num(r['images'])} distinct COCO-sized JPEGs; e19444f's "
                                "one after the other in one session, 3626c6a's in turn, twice, in another, on an "
                                f"{r['machine']['gpus'][0]}; ee5e01b's in the order listed in a third, on an "
-                               f"{last['machine']['gpus'][0]}; {' and '.join(sorted({r['date'][:10], last['date'][:10]}))}. "
+                               f"{load(COCO_BATCHES[-7][1])['machine']['gpus'][0]}; 45be7ef's in turn, twice, in a "
+                               f"fourth, on an {last['machine']['gpus'][0]}; "
+                               f"{' and '.join(sorted({r['date'][:10], last['date'][:10]}))}. "
                                "Command: `gpudet bench coco/list.txt --device cuda --limit 20000 --skip-naive --set "
                                "run.batch_size=N` (`ROUNDS=2 bash scripts/gpu_check.sh batches`), with `--set "
-                               "preprocess.host_share=S` where the row says."])
+                               "preprocess.host_share=S` where the row says; 45be7ef's: `SETS=\"- run.num_threads=8 "
+                               "run.batch_size=64\" ROUNDS=2 bash scripts/gpu_check.sh sweep`."])
 
 
 BATCH_SETS = (("crops", "crops"), ("12 MP photos", "photos"))
@@ -578,8 +586,13 @@ def batch_sets_table() -> str:
 
 
 PARTS = (("batch 32, 20,000 images", "parts/h100_edeba90/batch32_20000"),
-         ("batch 64, 10,000 images", "parts/h100_edeba90/batch64_10000"))
-"""(the column, the report): scripts/loop_parts.py over the COCO-sized JPEGs (`gpu_check.sh parts`)."""
+         ("batch 64, 10,000 images", "parts/h100_edeba90/batch64_10000"),
+         ("batch 32, 20,000 images", "parts/h100_45be7ef/batch32_20000"),
+         ("batch 64, 20,000 images", "parts/h100_45be7ef/batch64_20000"))
+"""(the column, the report): scripts/loop_parts.py over the COCO-sized JPEGs (`gpu_check.sh parts`), two sessions
+on an H100 at edeba90 and 45be7ef; 45be7ef's with py-spy."""
+WAITS = (("on DALI", "Preprocessor.result"), ("on the postprocess", "Detector._finished"))
+"""py-spy rows: the loop's thread's samples whose deepest gpudet frame is that one (the call it waits in)."""
 PART_ROWS = (("dali", "DALI alone (decode, letterbox, normalize)"),
              ("dali+model", "DALI, then the model on each batch (no postprocess)"),
              ("dali|model", "DALI alone, the model running back to back beside it"),
@@ -592,7 +605,7 @@ PART_ROWS = (("dali", "DALI alone (decode, letterbox, normalize)"),
 
 def parts_table() -> str:
     reports = [(label, load(name)) for label, name in PARTS]
-    lines = ["| img/s | " + " | ".join(label for label, _ in reports) + " |",
+    lines = ["| img/s | " + " | ".join(f"{label} ({r['tree']['commit']})" for label, r in reports) + " |",
              "| --- |" + " --- |" * len(reports)]
 
     def cell(r: dict, key: str) -> str:
@@ -612,15 +625,29 @@ def parts_table() -> str:
         share(r["model_beside_dali_images_per_s"], r["model_alone_images_per_s"]) for _, r in reports) + " |")
     lines.append("| the records loop, of DALI alone | " + " | ".join(
         share(r["images_per_s"]["records"], statistics.mean(r["images_per_s"]["dali"])) for _, r in reports) + " |")
-    r = reports[0][1]
+
+    def sampled(r: dict, what: str) -> str:
+        summary = r.get("py_spy", {}).get("all" if what != "gil" else "gil", {}).get("summary")
+        if summary is None:
+            return "-"
+        if what == "gil":
+            return f"{summary['share_of_ticks']:.0%}"
+        where = summary["threads"]["MainThread"]["where"]
+        return f"{sum(s for place, s in where if place.startswith(what + ' ')):.0%}"
+
+    lines += [f"| py-spy: the loop's thread waiting {label} | " + " | ".join(sampled(r, frame) for _, r in reports) +
+              " |" for label, frame in WAITS]
+    lines.append("| py-spy: the GIL held | " + " | ".join(sampled(r, "gil") for _, r in reports) + " |")
+    r, r2 = reports[0][1], reports[-1][1]
     m = r["machine"]
     return "\n".join(lines + ["", f"Distinct COCO-sized JPEGs (`make_image_set.py --kind coco`), the default config at "
                                "each batch size; each part once to warm up, then twice (both rates); "
                                f"{m['gpus'][0]}, {m['cores']} cores; torch {m['torch']}, onnxruntime "
-                               f"{m['onnxruntime']}, DALI {m['dali']}; tree {r['tree']['commit']}; {r['date'][:10]}. "
-                               "Command: `python scripts/loop_parts.py coco/list.txt --out DIR --limit N --set "
-                               "run.batch_size=B` (`PARTS_SET=run.batch_size=B LIMIT=N bash scripts/gpu_check.sh "
-                               "parts`)."])
+                               f"{m['onnxruntime']}, DALI {m['dali']}; two sessions (the tree beside each column); "
+                               f"{r['date'][:10]}. py-spy sampled the records loop for {r2['py_spy']['all']['summary']['ticks'] // 200} s "
+                               "at 200 Hz, every thread, then the GIL's holders. Command: `python scripts/loop_parts.py "
+                               "coco/list.txt --out DIR --limit N --set run.batch_size=B --py-spy BIN` "
+                               "(`PARTS_SET=run.batch_size=B LIMIT=N PY_SPY=BIN bash scripts/gpu_check.sh parts`)."])
 
 
 PROFILE = "profile/coco_8000"
