@@ -132,7 +132,9 @@ def summarise_py_spy(raw: Path, ticks: int, top: int = 4) -> dict:
     name, pool threads of one name together: their samples as a share of `ticks` (the duration times
     the rate: with --gil, how long each thread held the GIL), and where they were, as the deepest
     frame in gpudet's package (`pipeline/`) and the innermost frame, most samples first, as shares
-    of the thread's samples."""
+    of the thread's samples. Read the long-lived threads (the loop's, the engine's): py-spy names a
+    thread by its pthread id, which a thread of the next pass's pools takes over, so those pools'
+    names can mix."""
     threads: dict[str, Counter] = {}
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
