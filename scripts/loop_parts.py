@@ -148,10 +148,10 @@ def summarise_py_spy(raw: Path, ticks: int, top: int = 4) -> dict:
     samples = sum(sum(c.values()) for c in threads.values())
     summary = {"ticks": ticks, "samples": samples, "share_of_ticks": round(samples / ticks, 3), "threads": {}}
     for name, places in sorted(threads.items(), key=lambda item: -sum(item[1].values())):
-        samples = sum(places.values())
+        held = sum(places.values())
         summary["threads"][name] = {
-            "samples": samples, "share_of_ticks": round(samples / ticks, 3),
-            "where": [[place, round(n / samples, 3)] for place, n in places.most_common(top)]}
+            "samples": held, "share_of_ticks": round(held / ticks, 3),
+            "where": [[place, round(n / held, 3)] for place, n in places.most_common(top)]}
     return summary
 
 

@@ -556,8 +556,8 @@ def batch_table() -> str:
     return "\n".join(lines + ["", f"The default config over {num(r['images'])} distinct COCO-sized JPEGs; e19444f's "
                                "one after the other in one session, 3626c6a's in turn, twice, in another, on an "
                                f"{r['machine']['gpus'][0]}; ee5e01b's in the order listed in a third, on an "
-                               f"{load(COCO_BATCHES[-7][1])['machine']['gpus'][0]}; 45be7ef's in turn, twice, in a "
-                               f"fourth, on an {last['machine']['gpus'][0]}; "
+                               f"{load('coco20k/h200_ee5e01b/b32_now')['machine']['gpus'][0]}; 45be7ef's in turn, twice, "
+                               f"in a fourth, on an {last['machine']['gpus'][0]}; "
                                f"{' and '.join(sorted({r['date'][:10], last['date'][:10]}))}. "
                                "Command: `gpudet bench coco/list.txt --device cuda --limit 20000 --skip-naive --set "
                                "run.batch_size=N` (`ROUNDS=2 bash scripts/gpu_check.sh batches`), with `--set "
@@ -576,7 +576,8 @@ def batch_sets_table() -> str:
         for size in (32, 64):
             r = load(f"batch_sets/h100_edeba90/{prefix}_batch{size}_1")
             rates, stages = r["images_per_s"], r["gpudet_stages_s"]
-            lines.append(f"| {num(r['images'])} {label} | {size} | **{num(rates['gpudet'])}** ({passes(r)}) | {num(rates['preprocess'])} | "
+            lines.append(f"| {num(r['images'])} {label} | {size} | **{num(rates['gpudet'])}** ({passes(r)}) | "
+                         f"{num(rates['preprocess'])} | "
                          f"{num(rates['model'])} | {stages['preprocess']:.2f} s | "
                          f"{stages['gpu_utilisation_percent']:.0f}% |")
     return "\n".join(lines + ["", f"The default config at each batch size, one after the other; {gpu_name(r)}; tree "
@@ -592,7 +593,10 @@ PARTS = (("batch 32, 20,000 images", "parts/h100_edeba90/batch32_20000"),
 """(the column, the report): scripts/loop_parts.py over the COCO-sized JPEGs (`gpu_check.sh parts`), two sessions
 on an H100 at edeba90 and 45be7ef; 45be7ef's with py-spy."""
 WAITS = (("on DALI", "Preprocessor.result"), ("on the postprocess", "Detector._finished"))
-"""py-spy rows: the loop's thread's samples whose deepest gpudet frame is that one (the call it waits in)."""
+"""py-spy rows: the share of the loop's thread's samples whose deepest gpudet frame is that one (the call it
+waits in), among the places its summary keeps (its most sampled four)."""
+PY_SPY_RATE = 200
+"""loop_parts.PY_SPY_RATE: the ticks per second of a report's py-spy summary."""
 PART_ROWS = (("dali", "DALI alone (decode, letterbox, normalize)"),
              ("dali+model", "DALI, then the model on each batch (no postprocess)"),
              ("dali|model", "DALI alone, the model running back to back beside it"),
@@ -616,6 +620,7 @@ def parts_table() -> str:
         return f"**{text}**" if key in ("dali", "dali|model", "records") else text
 
     lines += [f"| {label} | " + " | ".join(cell(r, key) for _, r in reports) + " |" for key, label in PART_ROWS]
+
     def share(beside: list[float], alone: float) -> str:
         return f"{statistics.mean(beside) / alone:.0%}"
 
@@ -626,26 +631,30 @@ def parts_table() -> str:
     lines.append("| the records loop, of DALI alone | " + " | ".join(
         share(r["images_per_s"]["records"], statistics.mean(r["images_per_s"]["dali"])) for _, r in reports) + " |")
 
-    def sampled(r: dict, what: str) -> str:
-        summary = r.get("py_spy", {}).get("all" if what != "gil" else "gil", {}).get("summary")
-        if summary is None:
-            return "-"
-        if what == "gil":
-            return f"{summary['share_of_ticks']:.0%}"
-        where = summary["threads"]["MainThread"]["where"]
-        return f"{sum(s for place, s in where if place.startswith(what + ' ')):.0%}"
+    def summary(r: dict, sampled: str) -> dict | None:  # sampled: "all" (every thread) or "gil"
+        return r.get("py_spy", {}).get(sampled, {}).get("summary")
 
-    lines += [f"| py-spy: the loop's thread waiting {label} | " + " | ".join(sampled(r, frame) for _, r in reports) +
+    def waiting(r: dict, frame: str) -> str:
+        if (s := summary(r, "all")) is None:
+            return "-"
+        where = s["threads"]["MainThread"]["where"]
+        return f"{sum(part for place, part in where if place.startswith(frame + ' ')):.0%}"
+
+    def gil_held(r: dict) -> str:
+        return "-" if (s := summary(r, "gil")) is None else f"{s['share_of_ticks']:.0%}"
+
+    lines += [f"| py-spy: the loop's thread waiting {label} | " + " | ".join(waiting(r, frame) for _, r in reports) +
               " |" for label, frame in WAITS]
-    lines.append("| py-spy: the GIL held | " + " | ".join(sampled(r, "gil") for _, r in reports) + " |")
+    lines.append("| py-spy: the GIL held | " + " | ".join(gil_held(r) for _, r in reports) + " |")
     r, r2 = reports[0][1], reports[-1][1]
     m = r["machine"]
     return "\n".join(lines + ["", f"Distinct COCO-sized JPEGs (`make_image_set.py --kind coco`), the default config at "
                                "each batch size; each part once to warm up, then twice (both rates); "
                                f"{m['gpus'][0]}, {m['cores']} cores; torch {m['torch']}, onnxruntime "
                                f"{m['onnxruntime']}, DALI {m['dali']}; two sessions (the tree beside each column); "
-                               f"{r['date'][:10]}. py-spy sampled the records loop for {r2['py_spy']['all']['summary']['ticks'] // 200} s "
-                               "at 200 Hz, every thread, then the GIL's holders. Command: `python scripts/loop_parts.py "
+                               f"{r['date'][:10]}. py-spy sampled the records loop for "
+                               f"{r2['py_spy']['all']['summary']['ticks'] // PY_SPY_RATE} s at {PY_SPY_RATE} Hz, "
+                               "every thread, then the GIL's holders. Command: `python scripts/loop_parts.py "
                                "coco/list.txt --out DIR --limit N --set run.batch_size=B --py-spy BIN` "
                                "(`PARTS_SET=run.batch_size=B LIMIT=N PY_SPY=BIN bash scripts/gpu_check.sh parts`)."])
 
