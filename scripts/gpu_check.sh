@@ -15,7 +15,8 @@
 #                                                 # DETECT_COUNT=100000: the default detect over that many COCO-sized JPEGs)
 #   OUT=DIR SETS="KEY=VALUE[,KEY=VALUE...] ..." bash scripts/gpu_check.sh sweep  # the bench with each (BATCH_SET, ROUNDS)
 #   OUT=DIR BEFORE=DIR bash scripts/gpu_check.sh ab  # BEFORE and this tree in turn, ROUNDS times: bench and detect
-#     (AB="NAME=DIR NAME=DIR ...": those trees, then this one, in turn; DETECT_TREES: the names whose detect runs)
+#     (AB="NAME=DIR NAME=DIR ...": those trees, then this one, in turn; DETECT_TREES: the names whose detect runs;
+#     DETECT_COUNT=N: the detect over N distinct COCO-sized JPEGs instead of the crops listed 28 times)
 #   OUT=DIR YOLO_MODELS="a.onnx b.onnx" bash scripts/gpu_check.sh yolo  # YOLO exports: bench beside ORT alone
 #   OUT=DIR bash scripts/gpu_check.sh profile     # scripts/profile_loop.py over COCO-sized JPEGs (its trace in /tmp)
 #   OUT=DIR bash scripts/gpu_check.sh parts       # scripts/loop_parts.py over COCO-sized JPEGs (PARTS_SET, PY_SPY, LIMIT)
@@ -217,9 +218,15 @@ case "${1:-}" in
   ab)
     # Trees in turn on one machine, so that a drift of the machine (which moved one tree's loop by
     # 15% between two runs) falls on all: the default bench over the 3,796 crops ROUNDS times each,
-    # then the default detect over 106,288 DETECT_ROUNDS times each.
+    # then the default detect over 106,288 (DETECT_COUNT=N: over N distinct COCO-sized JPEGs)
+    # DETECT_ROUNDS times each.
     versions | tee "$OUT/versions.txt"
     image_set
+    detect_list=$IMAGES/jpg_x28.txt detect_name=x28
+    if [ -n "${DETECT_COUNT:-}" ]; then
+      kind_set coco "$DETECT_COUNT" "coco_$DETECT_COUNT"
+      detect_list=$IMAGES/coco_$DETECT_COUNT/list.txt detect_name=coco$DETECT_COUNT
+    fi
     names=(); dirs=()
     for spec in ${AB:-before=${BEFORE:?BEFORE or AB names the other trees}} now=now; do
       names+=("${spec%%=*}"); dirs+=("${spec#*=}")
@@ -230,7 +237,7 @@ case "${1:-}" in
     for round in $(seq "${DETECT_ROUNDS:-2}"); do
       for i in "${!names[@]}"; do
         case " ${DETECT_TREES:-${names[*]}} " in *" ${names[$i]} "*)
-          timed_detect "x28_${names[$i]}_$round" "${dirs[$i]}" "$IMAGES/jpg_x28.txt" ;; esac
+          timed_detect "${detect_name}_${names[$i]}_$round" "${dirs[$i]}" "$detect_list" ;; esac
       done
     done
     ;;
