@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -154,6 +155,20 @@ def test_the_loop_parts_each_run_and_are_reported(tmp_path):
     assert all(len(rates) == 1 and rates[0] > 0 for rates in report["images_per_s"].values())
     assert len(report["model_beside_dali_images_per_s"]) == 1 and report["model_alone_images_per_s"] > 0
     assert report["gpudet"]["code_tree"] and report["command"].startswith("python scripts/loop_parts.py")
+
+
+def test_a_part_that_times_itself_is_rated_by_its_own_seconds():
+    """loop_parts.rates: the records loop gives the seconds of its pass (the bench's timing, without
+    its GPU sampler's start and stop), which the rate then takes instead of the call's wall clock."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import loop_parts
+
+    def slow_to_stop() -> tuple[int, float]:
+        time.sleep(0.05)  # what the part does around its timed pass
+        return 100, 0.5
+
+    assert loop_parts.rates(slow_to_stop, 2) == [200.0, 200.0]
+    assert 0 < loop_parts.rates(lambda: 100, 1)[0] < 1e9
 
 
 def test_py_spy_samples_are_summarised_per_thread_name(tmp_path):
