@@ -160,12 +160,6 @@ class RunConfig:
     model's output buffers (and, with cuda_graph, its own input buffer and captured graph). 2:
     the postprocess of one batch overlaps the model on the next; 3: the model may also run a batch
     further ahead while the main loop waits on DALI and writes (on a GPU; the CPU runs inline)."""
-    switch_interval_ms: float = 0.5
-    """GPU: Python's thread switch interval while a stream runs (sys.setswitchinterval; Python's
-    own is 5 ms, restored when no stream runs). The loop's threads (reading files, feeding DALI,
-    launching the model, the postprocess, the loop) each hold the interpreter briefly and give it
-    up at every system call and GPU wait; at 5 ms a thread that has something to do may wait that
-    long for one that computes (docs/BENCHMARKS.md measures both). 0: leave Python's as it is."""
     gpu_mem_limit_mb: int = 0
     """Cap on ONNX Runtime's CUDA memory arena, in MiB (0: no cap). DALI's buffers are separate."""
     prefer_nhwc: bool = False
@@ -286,8 +280,6 @@ class Config:
         need(0 < self.run.prefetch_batches <= 16, "run.prefetch_batches", "must be in 1..16")
         need(2 <= self.run.pipeline_depth <= 8, "run.pipeline_depth", "must be in 2..8 (2: the postprocess of one "
              "batch overlaps the model on the next)")
-        need(0 <= self.run.switch_interval_ms <= 100, "run.switch_interval_ms",
-             "must be in 0..100 (0: Python's own, 5 ms)")
         need(self.run.gpu_mem_limit_mb >= 0, "run.gpu_mem_limit_mb", "must be >= 0 (0: no cap)")
         need(self.run.prefer_nhwc or not self.run.fuse_conv_bias, "run.fuse_conv_bias",
              "needs run.prefer_nhwc: true (in NCHW cuDNN has no fused kernel for a 3-channel stem); set "

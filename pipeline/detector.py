@@ -13,8 +13,6 @@ import dataclasses
 import heapq
 import logging
 import os
-import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -58,15 +56,14 @@ class Detector:
                  max_pixels: int = 0, max_file_bytes: int = 0, max_batch_pixels: int = 0, prefetch_batches: int = 2,
                  scaled: ScaledDecode | None = None, scaled_share: float = 1.0, decode_threads: int = 1,
                  storage_requests: int = 128, storage_read_ahead_mb: int = 512, storage_processes: int = 0,
-                 switch_interval_ms: float = 0.0, config: Config | None = None):
+                 config: Config | None = None):
         """The stages, built (`from_config` builds them from a config). thresholds: what the
         postprocess keeps unless a stream says otherwise. max_pixels, max_file_bytes: the
         source's checks (0: none); max_batch_pixels: what one DALI batch may decode (0: no bound).
         num_threads: the threads that read and check files; decode_threads: those that decode large
         JPEGs at a reduced scale (`scaled`, for `scaled_share` of the batches). storage_requests,
         storage_read_ahead_mb: how far an object-storage source is read ahead; storage_processes:
-        how many processes fetch its objects (0: this one's threads). switch_interval_ms: Python's
-        thread switch interval while a stream runs on a GPU (0: Python's own). config: what built
+        how many processes fetch its objects (0: this one's threads). config: what built
         them, for reports."""
         self.engine, self.preprocessor, self.postprocess = engine, preprocessor, postprocess
         self.thresholds, self.labels, self.contract = thresholds, labels, contract
@@ -75,7 +72,6 @@ class Detector:
         self.max_pixels, self.max_file_bytes, self.max_batch_pixels = max_pixels, max_file_bytes, max_batch_pixels
         self.storage_requests, self.storage_read_ahead_mb = storage_requests, storage_read_ahead_mb
         self.storage_processes = storage_processes
-        self.switch_interval_ms = switch_interval_ms
         self.config = config
         self.device = engine.device
         self.model_path = engine.model_path
@@ -146,7 +142,6 @@ class Detector:
                    max_file_bytes=p.max_file_mb << 20, max_batch_pixels=p.max_batch_pixels,
                    prefetch_batches=r.prefetch_batches, storage_requests=r.storage_requests,
                    storage_read_ahead_mb=r.storage_read_ahead_mb, storage_processes=r.storage_processes,
-                   switch_interval_ms=r.switch_interval_ms,
                    scaled=ScaledDecode(height, width, p.resize) if p.scaled_decode else None,
                    scaled_share=p.scaled_share if target.is_cuda else 1.0, config=config)
 
@@ -320,8 +315,7 @@ class Detector:
         if not self.overlap:
             yield Inline(), Inline()
             return
-        with switch_interval(self.switch_interval_ms / 1000), \
-                ThreadPoolExecutor(1, thread_name_prefix="gpudet-postprocess", initializer=self._on_post_stream) as post:
+        with ThreadPoolExecutor(1, thread_name_prefix="gpudet-postprocess", initializer=self._on_post_stream) as post:
             yield self.engine, post
 
     def _on_post_stream(self) -> None:
@@ -390,31 +384,6 @@ class Detector:
                 yield ImageResult.of(ref, height, width, found_here, self.labels)
         while failed:
             yield heapq.heappop(failed)[1]
-
-
-_switching = threading.Lock()
-_switch_held: list[float] = []  # the intervals the running streams asked for
-_switch_own: list[float] = []  # Python's own, while any is held
-
-
-@contextmanager
-def switch_interval(seconds: float):
-    """Python's thread switch interval at `seconds` (0: as it is) until the last stream that set
-    one ends, then Python's own again; the shortest any running stream asked for holds."""
-    if not seconds:
-        yield
-        return
-    with _switching:
-        if not _switch_held:
-            _switch_own[:] = [sys.getswitchinterval()]
-        _switch_held.append(seconds)
-        sys.setswitchinterval(min(_switch_held))
-    try:
-        yield
-    finally:
-        with _switching:
-            _switch_held.remove(seconds)
-            sys.setswitchinterval(min(_switch_held) if _switch_held else _switch_own[0])
 
 
 def inputs(source, root: str | None = None) -> Iterator[Item]:

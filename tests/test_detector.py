@@ -225,39 +225,3 @@ def test_on_the_cpu_the_default_config_runs_a_short_batch_as_it_is():
     assert detector.engine.image_input.batch is None and not detector.preprocessor.pad_partial_batches
     found = list(detector.run(str(SAMPLES)))
     assert len(found) == 6 and sum(len(r.scores) for r in found) == 3
-
-
-def test_switch_interval_holds_the_shortest_asked_for_and_gives_python_its_own_back():
-    import sys
-    import threading
-
-    from pipeline.detector import switch_interval
-
-    def now() -> float:
-        return pytest.approx(sys.getswitchinterval(), abs=1e-6)  # Python keeps it in microseconds
-
-    own = sys.getswitchinterval()
-    with switch_interval(0):  # 0: as it is
-        assert now() == own
-    started, release = threading.Event(), threading.Event()
-
-    def other_stream():  # a second stream, on a thread of its own, ends first
-        with switch_interval(0.0001):
-            started.set()
-            release.wait(30)
-
-    with switch_interval(0.0005):
-        assert now() == 0.0005
-        thread = threading.Thread(target=other_stream)
-        thread.start()
-        try:
-            assert started.wait(30)
-            assert now() == 0.0001
-        finally:
-            release.set()
-            thread.join()
-        assert now() == 0.0005
-    assert now() == own
-    with pytest.raises(KeyError), switch_interval(0.0005):
-        raise KeyError("a stream's error")
-    assert now() == own
