@@ -534,10 +534,15 @@ COCO_BATCHES = (("32 (the default)", "coco20k/batch32_e19444f"), ("64", "coco20k
                 ("32, round 1", "coco20k/h100_45be7ef/batch32_1"), ("`run.num_threads=8`, round 1", "coco20k/h100_45be7ef/threads8_1"),
                 ("64, round 1", "coco20k/h100_45be7ef/batch64_1"),
                 ("32, round 2", "coco20k/h100_45be7ef/batch32_2"), ("`run.num_threads=8`, round 2", "coco20k/h100_45be7ef/threads8_2"),
-                ("64, round 2", "coco20k/h100_45be7ef/batch64_2"))
+                ("64, round 2", "coco20k/h100_45be7ef/batch64_2"),
+                *((f"32, GIL switch interval {label}, round {r}", f"coco20k/h100_73be5e1/{name}_{r}")
+                  for r in (1, 2) for label, name in (("0.5 ms", "switch05"), ("5 ms (Python's)", "switch0"),
+                                                      ("0.1 ms", "switch01"),
+                                                      ("0.5 ms, `run.pipeline_depth=3`", "depth3"))))
 """(`run.batch_size`, the report): e19444f's one after the other, 3626c6a's in turn twice (`gpu_check.sh batches`);
 ee5e01b's in the order listed, on an H200, the host decoding a share of the batches' JPEGs whole in some; 45be7ef's
-in turn twice (`gpu_check.sh sweep`)."""
+in turn twice (`gpu_check.sh sweep`); 73be5e1's in turn twice, the switch interval its `run.switch_interval_ms`
+(not kept)."""
 
 
 def batch_table() -> str:
@@ -557,12 +562,15 @@ def batch_table() -> str:
                                "one after the other in one session, 3626c6a's in turn, twice, in another, on an "
                                f"{r['machine']['gpus'][0]}; ee5e01b's in the order listed in a third, on an "
                                f"{load('coco20k/h200_ee5e01b/b32_now')['machine']['gpus'][0]}; 45be7ef's in turn, twice, "
-                               f"in a fourth, on an {last['machine']['gpus'][0]}; "
+                               f"in a fourth, and 73be5e1's in turn, twice, in a fifth, on an "
+                               f"{last['machine']['gpus'][0]}; "
                                f"{' and '.join(sorted({r['date'][:10], last['date'][:10]}))}. "
                                "Command: `gpudet bench coco/list.txt --device cuda --limit 20000 --skip-naive --set "
                                "run.batch_size=N` (`ROUNDS=2 bash scripts/gpu_check.sh batches`), with `--set "
                                "preprocess.host_share=S` where the row says; 45be7ef's: `SETS=\"- run.num_threads=8 "
-                               "run.batch_size=64\" ROUNDS=2 bash scripts/gpu_check.sh sweep`."])
+                               "run.batch_size=64\" ROUNDS=2 bash scripts/gpu_check.sh sweep`; 73be5e1's: `SETS=\"- "
+                               "run.switch_interval_ms=0 run.switch_interval_ms=0.1 run.pipeline_depth=3\" ROUNDS=1 "
+                               "bash scripts/gpu_check.sh sweep`, twice."])
 
 
 BATCH_SETS = (("crops", "crops"), ("12 MP photos", "photos"))
@@ -589,9 +597,11 @@ def batch_sets_table() -> str:
 PARTS = (("batch 32, 20,000 images", "parts/h100_edeba90/batch32_20000"),
          ("batch 64, 10,000 images", "parts/h100_edeba90/batch64_10000"),
          ("batch 32, 20,000 images", "parts/h100_45be7ef/batch32_20000"),
-         ("batch 64, 20,000 images", "parts/h100_45be7ef/batch64_20000"))
-"""(the column, the report): scripts/loop_parts.py over the COCO-sized JPEGs (`gpu_check.sh parts`), two sessions
-on an H100 at edeba90 and 45be7ef; 45be7ef's with py-spy."""
+         ("batch 64, 20,000 images", "parts/h100_45be7ef/batch64_20000"),
+         ("batch 32, 20,000 images, the model without its LeakyReLU (a probe)", "parts/h100_45be7ef/noact_batch32_20000"),
+         ("batch 32, 20,000 images, GIL switch interval 0.5 ms", "parts/h100_73be5e1/batch32_20000"))
+"""(the column, the report): scripts/loop_parts.py over the COCO-sized JPEGs (`gpu_check.sh parts`), three sessions
+on an H100 at edeba90, 45be7ef and 73be5e1; 45be7ef's batch 32 and 64 with py-spy."""
 WAITS = (("on DALI", "Preprocessor.result"), ("on the postprocess", "Detector._finished"))
 """py-spy rows: the share of the loop's thread's samples whose deepest gpudet frame is that one (the call it
 waits in), among the places its summary keeps (its most sampled four)."""
@@ -604,7 +614,7 @@ PART_ROWS = (("dali", "DALI alone (decode, letterbox, normalize)"),
              ("model alone", "the model alone, on one batch"),
              ("stream_bytes", "`Detector.stream` over the files' bytes in memory"),
              ("stream_files", "the same over the files"),
-             ("records", "the records loop of `gpudet bench`"))
+             ("records", "the records loop of `gpudet bench`, its GPU sampler's stop included (a lower bound)"))
 
 
 def parts_table() -> str:
@@ -628,7 +638,7 @@ def parts_table() -> str:
         share(r["images_per_s"]["dali|model"], statistics.mean(r["images_per_s"]["dali"])) for _, r in reports) + " |")
     lines.append("| the model beside DALI, of the model alone | " + " | ".join(
         share(r["model_beside_dali_images_per_s"], r["model_alone_images_per_s"]) for _, r in reports) + " |")
-    lines.append("| the records loop, of DALI alone | " + " | ".join(
+    lines.append("| the records loop, of DALI alone (at least) | " + " | ".join(
         share(r["images_per_s"]["records"], statistics.mean(r["images_per_s"]["dali"])) for _, r in reports) + " |")
 
     def summary(r: dict, sampled: str) -> dict | None:  # sampled: "all" (every thread) or "gil"
@@ -646,17 +656,38 @@ def parts_table() -> str:
     lines += [f"| py-spy: the loop's thread waiting {label} | " + " | ".join(waiting(r, frame) for _, r in reports) +
               " |" for label, frame in WAITS]
     lines.append("| py-spy: the GIL held | " + " | ".join(gil_held(r) for _, r in reports) + " |")
-    r, r2 = reports[0][1], reports[-1][1]
+    r, r2 = reports[0][1], next(r for _, r in reports if summary(r, "all"))
     m = r["machine"]
     return "\n".join(lines + ["", f"Distinct COCO-sized JPEGs (`make_image_set.py --kind coco`), the default config at "
                                "each batch size; each part once to warm up, then twice (both rates); "
                                f"{m['gpus'][0]}, {m['cores']} cores; torch {m['torch']}, onnxruntime "
-                               f"{m['onnxruntime']}, DALI {m['dali']}; two sessions (the tree beside each column); "
+                               f"{m['onnxruntime']}, DALI {m['dali']}; three sessions (the tree beside each column); "
                                f"{r['date'][:10]}. py-spy sampled the records loop for "
                                f"{r2['py_spy']['all']['summary']['ticks'] // PY_SPY_RATE} s at {PY_SPY_RATE} Hz, "
                                "every thread, then the GIL's holders. Command: `python scripts/loop_parts.py "
                                "coco/list.txt --out DIR --limit N --set run.batch_size=B --py-spy BIN` "
                                "(`PARTS_SET=run.batch_size=B LIMIT=N PY_SPY=BIN bash scripts/gpu_check.sh parts`)."])
+
+
+COCO_100K = (("87a4187", "before"), ("73be5e1", "now"))
+"""(the tree, the reports' name): `gpudet detect` over 100,000 distinct COCO-sized JPEGs, in turn twice
+(`DETECT_COUNT=100000 ROUNDS=0 BEFORE=DIR bash scripts/gpu_check.sh ab`)."""
+
+
+def coco_100k_table() -> str:
+    lines = ["| tree | round | wall clock from the shell | gpudet's start + setup | the loop | images | detections |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for round_ in (1, 2):
+        for tree, name in COCO_100K:
+            r = load(f"coco100k/h100_73be5e1/detect_{name}_{round_}")
+            t = r["seconds"]
+            lines.append(f"| {tree} | {round_} | **{r['wall_clock_from_the_shell_s']:.1f} s** | "
+                         f"{t['startup']:.1f} s + {t['setup']:.1f} s | **{num(r['images_per_s'])} img/s** | "
+                         f"{num(r['processed'])} | {num(r['detections'])} |")
+    return "\n".join(lines + ["", f"The default config, `gpudet detect LIST --out DIR --overwrite` from the shell; "
+                               f"the two trees in turn, twice, on one {r['device'].split('(')[1].rstrip(')')}; "
+                               f"{r['started'][:10]}. Command: `DETECT_COUNT=100000 ROUNDS=0 BEFORE=DIR bash "
+                               "scripts/gpu_check.sh ab`."])
 
 
 PROFILE = "profile/coco_8000"
@@ -691,7 +722,7 @@ SECTIONS = {"retinaface": retinaface_table, "detect": detect_table, "retinanet":
             "ray": ray_table, "formats": formats_table, "threads": threads_table,
             "omp": omp_table, "cpu": cpu_table, "expert": expert_table, "s3": s3_table,
             "profile": profile_table, "yolo": yolo_table, "batches": batch_table, "streams": streams_table,
-            "batch_sets": batch_sets_table, "parts": parts_table}
+            "batch_sets": batch_sets_table, "parts": parts_table, "coco_100k": coco_100k_table}
 
 
 ALL_SECTIONS = SECTIONS | {"speed": speed_table}
