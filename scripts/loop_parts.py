@@ -103,8 +103,8 @@ class Parts:
         return sum(len(batch.refs) for batch, _ in self.detector.stream([r.path for r in self.refs], refuse))
 
     def records(self) -> tuple[int, float]:
-        """Timed as the bench times a pass: without the start and stop of its GPU sampler (nvidia-smi
-        stops at its next 200 ms tick, which would pin the rate to those ticks)."""
+        """Timed as the bench times a pass: without the start and stop of its GPU sampler (nvidia-smi,
+        sampling every 200 ms: the call's wall clocks fall on those steps)."""
         run, = gpudet_passes(self.refs, self.detector, 1, warm_up=False)  # raises if an image fails
         return len(self.refs), run.seconds
 
