@@ -221,12 +221,12 @@ case "${1:-}" in
     # then the default detect over 106,288 (DETECT_COUNT=N: over N distinct COCO-sized JPEGs)
     # DETECT_ROUNDS times each.
     versions | tee "$OUT/versions.txt"
-    image_set
     detect_list=$IMAGES/jpg_x28.txt detect_name=x28
     if [ -n "${DETECT_COUNT:-}" ]; then
       kind_set coco "$DETECT_COUNT" "coco_$DETECT_COUNT"
       detect_list=$IMAGES/coco_$DETECT_COUNT/list.txt detect_name=coco$DETECT_COUNT
     fi
+    [ "${ROUNDS:-3}" -gt 0 ] || [ -z "${DETECT_COUNT:-}" ] && image_set  # the crops: the benches', or the detect's
     names=(); dirs=()
     for spec in ${AB:-before=${BEFORE:?BEFORE or AB names the other trees}} now=now; do
       names+=("${spec%%=*}"); dirs+=("${spec#*=}")
