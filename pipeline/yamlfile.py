@@ -20,9 +20,10 @@ MAX_DEPTH = 16
 
 
 class BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with two bounds a config needs: no aliases (`*name`: nested ones make a
-    few lines grow to gigabytes, the "billion laughs"), and nesting at most MAX_DEPTH deep (deeper
-    would end in Python's RecursionError)."""
+    """PyYAML's safe loader with the bounds a config needs: no aliases (`*name`: nested ones make a
+    few lines grow to gigabytes, the "billion laughs"), nesting at most MAX_DEPTH deep (deeper
+    would end in Python's RecursionError), and no key twice in one mapping (YAML's loaders keep
+    the last, which would drop a section's settings without a word)."""
 
     def __init__(self, stream):
         super().__init__(stream)
@@ -42,6 +43,19 @@ class BoundedLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self.depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise yaml.YAMLError(f"line {key_node.start_mark.line + 1}: {shown(key, 40)} is given twice in "
+                                         "one mapping (the second would replace the first); give each key once")
+                seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def parse_yaml(text: str, what: str) -> Any:

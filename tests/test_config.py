@@ -38,6 +38,8 @@ def test_default_config_is_the_embedded_retinaface():
     ("run: 3\n", "'run'"),
     ("- a\n- b\n", "top level"),
     ("run: [\n", "not valid YAML"),
+    ("postprocess: {score_threshold: 0.5}\npostprocess:\n  iou_threshold: 0.3\n", "line 2: 'postprocess' is given twice"),
+    ("run:\n  batch_size: 8\n  batch_size: 16\n", "line 3: 'batch_size' is given twice"),
 ])
 def test_bad_config_names_the_key(tmp_path, text, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("[", r"\[")):
