@@ -310,9 +310,10 @@ def run_bench(source: str, config: Config, *, limit: int, iterations: int, skip_
     if latency:
         report_latency = ({"skipped": f"the model's batch size is fixed at {fixed_batch}"} if fixed_batch
                           else latency_ms(refs, config, latency))
-    return {
+    return {  # "images" first: the report's first key is how a later --json knows the file is one (layout.py)
+        "images": len(refs),
         **({"latency_batch_1": report_latency} if report_latency else {}), **({"skipped": skipped} if skipped else {}),
-        "images": len(refs), "output_format": output_format, **({"naive": naive} if naive else {}),
+        "output_format": output_format, **({"naive": naive} if naive else {}),
         "batch_size": detector.batch_size, "device": detector.device.describe(),
         "model": str(detector.model_path), "contract": detector.contract, "config": config.source_file,
         "images_per_s": rates, "megapixels_per_image": round(megapixels, 3),

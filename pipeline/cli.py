@@ -1,4 +1,4 @@
-"""Command line: `gpudet detect | bench | inspect | eval | export-coco | draw` (also `python -m pipeline ...`).
+"""Command line: `gpudet detect | bench | inspect | eval | export | export-coco | draw` (also `python -m pipeline ...`).
 
 It parses and dispatches; exit codes and error messages are errors.py's.
 """
@@ -62,9 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     detect = commands.add_parser("detect", parents=[common], help="detect objects in every image of SOURCE",
-                                 description="SOURCE is a .txt file list (one path per line), a folder "
-                                             "(searched recursively), a glob in quotes or one image file.")
-    detect.add_argument("source", help="file list (.txt), folder, image file or glob")
+                                 description="SOURCE is a .txt file list (one path or URL per line), a folder "
+                                             "(searched recursively), a glob in quotes, one image file, or a "
+                                             "URL (an image, or an s3://, gs:// or az:// prefix).")
+    detect.add_argument("source", help="file list (.txt), folder, image file, glob or URL")
     detect.add_argument("--out", required=True, help="output folder (detections.jsonl or detections.parquet/, "
                                                      "errors.jsonl, summary.json), or an s3://, gs:// or az:// "
                                                      "prefix for Parquet")
@@ -108,21 +109,24 @@ def build_parser() -> argparse.ArgumentParser:
     coco.add_argument("--annotations", required=True, help="COCO annotation file (images, categories)")
     export = commands.add_parser("export-coco", parents=[common, coco],
                                  help="write a COCO results file mapped onto an annotation file's ids")
-    export.add_argument("--out", required=True, help="COCO results JSON to write")
+    export.add_argument("--out", required=True, help="COCO results JSON to write (a new file, or one export-coco "
+                                                     "wrote: never another file)")
     export_to = commands.add_parser("export", parents=[common], help="records as CSV (one row per detection) or "
                                                                      "YOLO label files (one per image)")
     export_to.add_argument("detections", help="what gpudet detect wrote: detections.jsonl, detections.parquet or "
                                               "the output folder")
     export_to.add_argument("--format", dest="export_format", choices=("csv", "yolo"), required=True,
-                           help="csv: a file, one row per detection; yolo: a folder of <image stem>.txt, a line "
+                           help="csv: a file, one row per detection (an image with none: one row, its box empty); yolo: a folder of <image stem>.txt, a line "
                                 "per detection: label cx cy w h score, over the image's size")
-    export_to.add_argument("--out", required=True, help="the CSV file, or the folder of label files, to write")
+    export_to.add_argument("--out", required=True, help="the CSV file, or the folder of label files, to write (new, "
+                                                        "or one gpudet export wrote: never another's)")
     evaluate = commands.add_parser("eval", parents=[common, coco], help="COCO bbox metrics of gpudet detect's results")
-    evaluate.add_argument("--out", help="also write the metrics as JSON here")
+    evaluate.add_argument("--out", help="also write the metrics as JSON here (a new file, or one eval wrote)")
 
     inspect = commands.add_parser("inspect", parents=[common], help="inputs, outputs, contract and Memcpy "
                                                                     "nodes of an ONNX model")
-    inspect.add_argument("model", help="ONNX model file, or the name of one in gpudet's models/")
+    inspect.add_argument("model", help="ONNX model file, or the name of one in gpudet's models/ (.onnx may be left "
+                                       "out)")
     inspect.add_argument("--size", type=at_least(1), nargs=2, default=(640, 640), metavar=("HEIGHT", "WIDTH"),
                          help="input size for models whose size is dynamic (default 640 640)")
     inspect.add_argument("--json", action="store_true", help="print JSON")
@@ -149,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how gpudet's passes write their records (as detect --format; default jsonl)")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override one config key (repeatable), as for detect")
-    bench.add_argument("--json", help="also write the report here")
+    bench.add_argument("--json", help="also write the report here (a new file, or a report bench wrote)")
 
     draw = commands.add_parser("draw", parents=[common], help="draw detections onto the images")
     draw.add_argument("detections", help="what gpudet detect wrote: detections.jsonl, detections.parquet or "
@@ -195,6 +199,9 @@ def detect_overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
                           f"postprocess.score_threshold={args.score_threshold!r}"))
     if args.classes is not None:
         names = [c.strip() for c in args.classes.split(",") if c.strip()]
+        if not names:
+            raise ConfigError(f"--classes {args.classes!r} names no class; give class names or label numbers "
+                              "(leave --classes out for every class)")
         listed = ", ".join(name if name.isdigit() else json.dumps(name) for name in names)
         overrides.append((f"--classes {args.classes}", f"postprocess.classes=[{listed}]"))
     return overrides
@@ -310,7 +317,7 @@ def summary_table(s: dict) -> str:
 def cmd_export_coco(args: argparse.Namespace) -> int:
     from .coco import load_annotations, read_detections, to_coco_results
 
-    out = output_file(args.out, "--out")
+    out = output_file(args.out, "--out", "coco")
     matched: set[int] = set()
     results, unmatched = to_coco_results(read_detections(args.detections), load_annotations(args.annotations), matched)
     none_annotated(matched, unmatched, args)
@@ -323,21 +330,37 @@ def cmd_export_coco(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def output_file(path: str, option: str) -> Path:
-    """The file a command writes at its end, checked before its work: its folder is there, and it
-    is no folder itself."""
+OWN_FILES = {"csv": "CSV gpudet export", "coco": "COCO results file gpudet export-coco",
+             "metrics": "metrics file gpudet eval", "bench": "report gpudet bench"}
+
+
+def output_file(path: str, option: str, kind: str) -> Path:
+    """The file a command writes at its end (`kind`: layout.OWN_FILE_STARTS), checked before its
+    work: its folder is there, and it is new or a file of that kind gpudet wrote (never a link, a
+    folder or another's file, which gpudet must not replace)."""
+    from .layout import is_own_file
+
     out = Path(path)
+    if out.is_symlink():
+        raise OutputError(f"{option} {out} is a symbolic link; gpudet never writes through one: give another path")
     if out.is_dir():
         raise OutputError(f"{option} {out} is a folder; give the path of a file to write")
     if not out.parent.is_dir():
         raise OutputError(f"{option} {out}: its folder {out.parent} does not exist; create it or give another path")
+    if os.path.lexists(out) and not is_own_file(out, kind):
+        raise OutputError(f"{option} {out} exists and is not a {OWN_FILES[kind]} wrote, so gpudet leaves it as it "
+                          "is; give a new path (or remove the file yourself)")
     return out
 
 
 def write_output(path: Path, option: str, text: str) -> None:
-    """Write a command's output file; a failure is one line naming it (exit 4)."""
+    """Write a command's output file whole (output_file checked it); a failure is one line naming
+    it (exit 4), and leaves what was there."""
+    from .sinks import replacing
+
     try:
-        path.write_text(text, encoding="utf-8")
+        with replacing(path) as f:
+            f.write(text)
     except OSError as e:
         raise OutputWriteError(path, e, f"give {option} a file gpudet may write, or make room") from None
 
@@ -356,7 +379,7 @@ def none_annotated(matched: set[int], unmatched: int, args: argparse.Namespace) 
 def cmd_eval(args: argparse.Namespace) -> int:
     from .coco import evaluate, load_annotations, read_detections, to_coco_results
 
-    out = output_file(args.out, "--out") if args.out else None
+    out = output_file(args.out, "--out", "metrics") if args.out is not None else None
     gt = load_annotations(args.annotations, for_eval=True)
     matched: set[int] = set()
     results, unmatched = to_coco_results(read_detections(args.detections), gt, matched)
@@ -438,7 +461,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .coco import read_detections
     from .export import write_csv, write_yolo
 
-    out = output_file(args.out, "--out") if args.export_format == "csv" else Path(args.out)
+    out = output_file(args.out, "--out", "csv") if args.export_format == "csv" else Path(args.out)
     records = read_detections(args.detections)
     try:
         images, found = (write_csv if args.export_format == "csv" else write_yolo)(records, out)
@@ -456,7 +479,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .config import model_candidates
 
     # where --model looks (a bundled model by its name too); inspect_model names the file if none is
-    path = next((c for c in model_candidates(args.model) if c.is_file()), Path(args.model))
+    names = [args.model] + ([f"{args.model}.onnx"] if not Path(args.model).suffix else [])
+    path = next((c for name in names for c in model_candidates(name) if c.is_file()), Path(args.model))
     info = inspect_model(path, size_hw=tuple(args.size))
     say(json.dumps(info, indent=2) if args.json else format_info(info))
     return EXIT_OK
@@ -467,7 +491,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     overrides = args.overrides + option_overrides(device=args.device, batch_size=args.batch_size, cli=True)
     config = load_config(args.config, overrides, origin="--set")
-    report_file = output_file(args.json, "--json") if args.json else None
+    report_file = output_file(args.json, "--json", "bench") if args.json is not None else None
     with signals_held():
         from .session import started_early
     with started_early(config):  # the model's first GPU run beside the imports below
@@ -527,8 +551,21 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level, args.log_json, args.quiet)
     commands = {"detect": cmd_detect, "export": cmd_export, "export-coco": cmd_export_coco, "eval": cmd_eval, "draw": cmd_draw,
                 "inspect": cmd_inspect, "bench": cmd_bench}
-    code = guarded(lambda: commands[args.command](with_records_here(args)))
+    code = guarded(lambda: commands[args.command](with_records_here(with_paths(args))))
     return end_command(code, exit_process=argv is None)  # argv None: this process is the command
+
+
+PATH_OPTIONS = {"out": "--out", "save_drawings": "--save-drawings", "model": "--model", "annotations": "--annotations",
+                "json": "--json"}
+
+
+def with_paths(args: argparse.Namespace) -> argparse.Namespace:
+    """`args`, where no path option is given as an empty string: one that is (an unset shell
+    variable) is a usage error, not the current folder."""
+    for name, option in PATH_OPTIONS.items():
+        if getattr(args, name, None) == "":
+            raise ConfigError(f"{option} is empty (an unset shell variable?); give a path")
+    return args
 
 
 def with_records_here(args: argparse.Namespace) -> argparse.Namespace:

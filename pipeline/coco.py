@@ -168,21 +168,44 @@ def evaluate(gt: dict, results: list[dict]) -> dict[str, float]:
     return {**metrics, "AP_per_class": per_class}
 
 
+def unfinished(detections: Path) -> None:
+    """A warning where the run that wrote `detections` says (its summary.json) that it was stopped:
+    its records are some of its images only."""
+    from .layout import SUMMARY, is_output_folder, records_folder
+
+    folder = records_folder(detections)
+    try:
+        summary = json.loads((folder / SUMMARY).read_text(encoding="utf-8")) if is_output_folder(folder) else {}
+    except (OSError, ValueError, RecursionError):
+        return
+    if isinstance(summary, dict) and summary.get("interrupted") is True:
+        done = [summary.get(key) for key in ("already_done", "already_failed", "processed", "failed", "images")]
+        count = (f" after {sum(done[:4]):,} of its {done[4]:,} images" if all(isinstance(n, int) for n in done) else "")
+        log.warning("%s: its run was stopped%s, so these records are not all of its images; `gpudet detect SOURCE "
+                    "--out %s --resume` finishes it", folder, count, folder)
+
+
 def read_detections(path: str | Path) -> list[dict]:
     """The records gpudet detect wrote: a detections.jsonl, a detections.parquet folder (or one of
     its files), or the output folder that holds either. Anything else is an error naming the file
     (and, for JSONL, its first bad line)."""
-    from .layout import DETECTIONS
+    from .layout import DETECTIONS, is_output_folder
     from .formats import format_of
 
     path = Path(path)
     if path.is_dir() and path.suffix != ".parquet":  # an output folder
+        folder = path
         path = next((path / name for name in DETECTIONS.values() if (path / name).exists()), path / DETECTIONS["jsonl"])
+        if not path.exists() and is_output_folder(folder):
+            raise ConfigError(f"{folder} is a gpudet output folder that holds no records yet: its run stopped before "
+                              "writing them (or, with --devices or --ray, before merging them); finish it with "
+                              f"`gpudet detect SOURCE --out {folder} --resume`")
     kind = format_of(path)
     if kind is None or not path.exists():
         what = "does not exist" if not path.exists() else "is not detections.jsonl, detections.parquet or an output folder"
         raise ConfigError(f"{path} {what}; pass the detections.jsonl (or detections.parquet) that gpudet detect wrote, "
                           "or its output folder")
+    unfinished(path)
     try:  # the input of this command, not its output: a bad one is a usage error
         return list(kind.read(path, fix="remove it; `gpudet detect --resume` into its output folder then detects its "
                                         "images again"))

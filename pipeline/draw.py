@@ -89,7 +89,8 @@ def draw_records(records: Iterable[dict], out_dir: str | Path, *, root: str | Pa
                 raise fetched
             image = draw_detections(record, source if fetched is None else fetched, min_score=min_score)
         except (OSError, ValueError) as e:  # gone since the run, unreadable, no longer an image
-            skipped.append(f"{source}: {e.strerror if isinstance(e, OSError) and e.strerror else e}")
+            skipped.append(f"{source} (index {record['index']}): "
+                           f"{e.strerror if isinstance(e, OSError) and e.strerror else e}")
             continue
         name = Path(storage.named_path(source) if isinstance(source, str) else source)
         path = out / f"{int(record['index']):08d}_{safe_stem(name)}.{image_format}"

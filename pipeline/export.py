@@ -1,6 +1,7 @@
 """Records (detections.jsonl, detections.parquet) as the files other tools read: CSV, one row per
-detection, and YOLO label files, one per image (`class cx cy w h score`, over the image's size, as
-Ultralytics' save_txt with save_conf writes them)."""
+detection (an image with none: one row, its detection's columns empty), and YOLO label files, one
+per image (`class cx cy w h score`, over the image's size, as Ultralytics' save_txt with save_conf
+writes them)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,20 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .errors import OutputError
-from .layout import EXPORT_MARKER
+from .layout import CSV_HEADER, EXPORT_MARKER
+from .sinks import replacing
 from .storage import named_path
-
-CSV_COLUMNS = ["index", "path", "width", "height", "x1", "y1", "x2", "y2", "score", "label", "name"]
 
 
 def write_csv(records: Iterable[dict], path: Path) -> tuple[int, int]:
     """One row per detection; an image with none, one row with its detection's columns empty (so
-    that every processed image is there). Returns (images, detections)."""
+    that every processed image is there). UTF-8; a file name that is not is written as its bytes.
+    `path` appears whole once written (a failure leaves what was there). Returns (images,
+    detections)."""
     images = found = 0
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    with replacing(path) as f:
         writer = csv.writer(f)
-        writer.writerow(CSV_COLUMNS)
+        writer.writerow(CSV_HEADER.split(","))
         for record in records:
             images += 1
             head = [record["index"], record["path"], record.get("width", ""), record.get("height", "")]

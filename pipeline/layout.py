@@ -9,6 +9,8 @@ not write.
     OUT/.gpudet-shards/K/, OUT/.gpudet-shards/ray-ID/   the --devices workers' and Ray actors'
                                 records before their merge (the same record files)
     DRAWINGS/.gpudet-drawings   marks a folder `gpudet draw` writes into
+    FILE.csv, FILE.json         what export, export-coco, eval --out and bench --json write: known
+                                by how they begin (OWN_FILE_STARTS), the only files they replace
 
 A folder source skips gpudet's output and drawing folders inside it, and gpudet's own entries in
 a source that is itself an output folder.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 
 MARKER_KEY = "gpudet"
@@ -104,18 +107,48 @@ def foreign_names(path: Path) -> list[str]:
     return names
 
 
+CSV_HEADER = "index,path,width,height,x1,y1,x2,y2,score,label,name"
+"""The first row of the CSV gpudet export writes."""
+OWN_FILE_STARTS = {
+    "csv": lambda head: head.startswith(CSV_HEADER.encode() + b"\r\n"),
+    "coco": lambda head: head == b"[]" or head.startswith(b'[{"image_id": '),
+    "metrics": lambda head: head.startswith(b'{\n  "metrics": '),
+    "bench": lambda head: head.startswith(b'{\n  "images": '),
+}
+"""How the first bytes of a file gpudet wrote begin: export's CSV, export-coco's COCO results,
+eval --out's metrics, bench --json's report."""
+
+
+def is_own_file(path: Path, kind: str) -> bool:
+    """Whether `path` is a regular file (not a link) that begins as gpudet's files of `kind`
+    (OWN_FILE_STARTS) do: one gpudet may replace."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and OWN_FILE_STARTS[kind](os.pread(fd, 64, 0))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 DRAWING = re.compile(r"\d{8}_[\w.-]{1,64}\.(jpg|png|webp)")
 """A drawing's name, as gpudet draw writes it: 00000042_street.jpg."""
 
 
 def skipped_in_walk(top: Path, dirs: list[str], files: list[str]) -> tuple[list[str], list[str]]:
     """What a folder walk lists of one folder `top` (os.walk's dirs and files): everything but
-    gpudet's own entries: in an output folder, the names gpudet writes; in a folder `gpudet draw`
+    gpudet's own entries: in an output folder, the names gpudet writes (before its settings, its
+    lock); in a folder `gpudet draw`
     wrote into, its mark and the drawings. The user's own files there stay listed (an output folder
     may be the source folder, or hold photos). Returns (dirs, files) to keep."""
     if SETTINGS in files and is_output_folder(top):
         dirs = [d for d in dirs if d not in NAMES]
         files = [f for f in files if f not in NAMES]
+    elif LOCK in files and is_lock_file(top / LOCK):  # a run's first, into a folder it is also reading
+        files = [f for f in files if f != LOCK]
     if DRAWINGS_MARKER in files:
         files = [f for f in files if f != DRAWINGS_MARKER and not DRAWING.fullmatch(f)]
     return dirs, files

@@ -92,6 +92,9 @@ def list_images(source: str | os.PathLike, *, root: str | os.PathLike | None = N
                                                             if os.path.isfile(p)))]
         what = f"glob {text!r} matches no file (quote it, so that the shell does not expand it first)"
     elif mode is None and not os.path.islink(text):
+        if (url := storage.URL.match(text)) is not None:  # a scheme storage.scheme does not read
+            raise SourceError(f"source {text}: gpudet reads no {url.group(1)}:// URLs; give an s3://, gs://, az://, "
+                              "http:// or https:// URL, or a local path")
         raise SourceError(f"source {text} does not exist; give a file list (.txt), a folder, an image file or a "
                           "glob in quotes")
     else:

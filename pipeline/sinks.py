@@ -23,10 +23,10 @@ import functools
 import json
 import os
 from collections.abc import Callable, Iterator
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TextIO
 
 import numpy as np
 import orjson
@@ -408,6 +408,23 @@ def write_all(fd: int, data: bytes, path: Path) -> None:
             view = view[os.write(fd, view):]
     except OSError as e:  # disk full, a file size limit, an I/O error: what was written before stays whole
         raise OutputWriteError(path, e) from None
+
+
+@contextmanager
+def replacing(path: Path) -> Iterator[TextIO]:
+    """A text file (UTF-8; a file name that is not, as its bytes) that becomes `path` when the
+    block ends: written beside it under a name of gpudet's own, then renamed over it. On an error
+    it is removed, and `path` stays as it was."""
+    tmp = path.with_name(f".{path.name}.gpudet-{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # a stale one of this process's pid, or a link: removed, not followed
+    fd = open_for_writing(tmp, os.O_EXCL)
+    try:
+        with open(fd, "w", encoding="utf-8", errors="surrogateescape", newline="") as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def fsync_folder(path: Path) -> None:

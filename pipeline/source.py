@@ -102,7 +102,7 @@ def read_checked(ref: ImageRef, max_pixels: int = 0, max_bytes: int = 0,
             return ImageError(ref.index, ref.path, "missing", f"a symbolic link to {os.readlink(ref.path)}, which does "
                                                               "not exist; fix or remove the link")
         spaces = any(part != part.strip() for part in Path(ref.path).parts)
-        return ImageError(ref.index, ref.path, "missing", "file not found; check the path in the list" +
+        return ImageError(ref.index, ref.path, "missing", "file not found; check its path" +
                           (" (a name in it starts or ends with a space, which the list keeps as written)"
                            if spaces else ""))
     except (NotAFile, IsADirectoryError) as e:

@@ -172,6 +172,9 @@ def test_python_dash_m_and_the_console_script(tmp_path):
         pytest.skip("gpudet is not pip-installed here (PYTHONPATH checkout): no console script to check")
     gpudet = shutil.which("gpudet", path=os.path.dirname(sys.executable))
     assert gpudet and subprocess.run([gpudet, "--version"], capture_output=True, text=True).stdout.startswith("gpudet")
+    as_module = subprocess.run([sys.executable, "-m", "gpudet", "--version"], capture_output=True, text=True,
+                               cwd=tmp_path)  # the public name, as `import gpudet`
+    assert as_module.returncode == 0 and as_module.stdout.startswith("gpudet "), as_module.stderr
 
 
 @pytest.mark.cuda
@@ -260,6 +263,48 @@ def test_inspect_finds_a_bundled_model_by_its_name_as_detect_does(tmp_path, monk
     assert main(["inspect", "retinaface_mnet025.onnx", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["path"] == str(ROOT / "models" / "retinaface_mnet025.onnx")
     assert main(["inspect", "nothere.onnx"]) == 2
+    assert main(["inspect", "retinaface_mnet025", "--json"]) == 0  # as --config takes a name without .yaml
+    assert json.loads(capsys.readouterr().out)["path"] == str(ROOT / "models" / "retinaface_mnet025.onnx")
+
+
+def test_a_url_of_a_scheme_gpudet_does_not_read_is_named_as_such(tmp_path, capsys):
+    assert detect("ftp://host/photos/a.jpg", "--out", tmp_path / "o") == 2
+    assert "gpudet reads no ftp:// URLs" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_a_path_option_given_empty_is_one_line_and_writes_nowhere(tmp_path, monkeypatch, capsys):
+    """--out "" (an unset shell variable) is refused, never taken as the working folder; so are
+    --save-drawings, --model and --annotations, and a --classes that names nothing."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    for argv, option in [(["detect", str(SAMPLES), "--out", ""], "--out"),
+                         (["detect", str(SAMPLES), "--out", "o", "--save-drawings", ""], "--save-drawings"),
+                         (["detect", str(SAMPLES), "--out", "o", "--model", ""], "--model"),
+                         (["draw", "run", "--out", ""], "--out"),
+                         (["export", "run", "--format", "csv", "--out", ""], "--out"),
+                         (["eval", "run", "--annotations", ""], "--annotations"),
+                         (["detect", str(SAMPLES), "--out", "o", "--classes", " , "], "--classes ' , ' names no class")]:
+        assert main([*argv, "--quiet"]) == 2, argv
+        err = capsys.readouterr().err
+        assert option in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_commands_reading_records_say_when_a_run_is_unfinished(tmp_path, capsys):
+    """An output folder whose run stopped before its records (a killed --devices run leaves only
+    shards) names itself and --resume; records of an interrupted run come with a warning."""
+    assert detect(SAMPLES, "--out", tmp_path / "o", "--quiet") == 0
+    (tmp_path / "o" / "detections.jsonl").unlink()
+    assert main(["export", str(tmp_path / "o"), "--format", "csv", "--out", str(tmp_path / "d.csv"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'o'} is a gpudet output folder that holds no records yet" in err and \
+        f"--out {tmp_path / 'o'} --resume" in err, err
+    assert detect(SAMPLES, "--out", tmp_path / "o", "--overwrite", "--quiet") == 0
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    (tmp_path / "o" / "summary.json").write_text(json.dumps({**summary, "interrupted": True, "processed": 4}))
+    assert main(["export", str(tmp_path / "o"), "--format", "csv", "--out", str(tmp_path / "d.csv")]) == 0
+    assert "its run was stopped after 4 of its 6 images, so these records are not all of its images" in \
+        capsys.readouterr().err
 
 
 def test_classes_and_score_threshold_options_keep_what_they_say(tmp_path):

@@ -265,10 +265,42 @@ def test_an_output_path_that_cannot_be_written_is_one_line_before_the_work(label
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
     assert not (tmp_path / "nodir").exists()
-    os.symlink(tmp_path / "nodir" / "x", tmp_path / "r.json")  # passes the check; the write fails
-    assert main(["export-coco", out, "--annotations", gt, "--out", str(tmp_path / "r.json"), "--quiet"]) == 4
-    err = capsys.readouterr().err
-    assert "writing " in err and "r.json failed" in err and "Traceback" not in err, err
+    assert main(["export-coco", out, "--annotations", gt, "--out", str(tmp_path / "r.json"), "--quiet"]) == 0
+    before = (tmp_path / "r.json").read_bytes()
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)); "
+            "from pipeline.cli import main; sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", code, "export-coco", out, "--annotations", gt, "--out",
+                           str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 4, done.stderr  # the write fails at the end: one line, the file as it was
+    assert "writing " in done.stderr and "r.json failed" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert (tmp_path / "r.json").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "r.json"], list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command", ["export-csv", "export-coco", "eval"])
+def test_a_file_out_is_new_or_gpudets_own_and_never_another_file(labelled, tmp_path, capsys, command):
+    """export --format csv, export-coco and eval --out replace a file they wrote before, never a
+    user's file or a link (exit 2, one line, the file byte for byte as it was)."""
+    out, gt = str(labelled / "out"), str(labelled / "gt.json")
+    argv = {"export-csv": ["export", out, "--format", "csv"], "export-coco": ["export-coco", out, "--annotations", gt],
+            "eval": ["eval", out, "--annotations", gt]}[command]
+    target = tmp_path / "result.out"
+    assert main([*argv, "--out", str(target), "--quiet"]) == 0
+    first = target.read_bytes()
+    assert main([*argv, "--out", str(target), "--quiet"]) == 0 and target.read_bytes() == first  # its own: again
+    capsys.readouterr()
+    for theirs in (b"", b"my notes\n", first[:-1].replace(b"i", b"I", 1) if command == "eval" else b"[1, 2]",
+                   b"index,path\r\n"):
+        target.write_bytes(theirs)
+        assert main([*argv, "--out", str(target), "--quiet"]) == 2, theirs
+        err = capsys.readouterr().err
+        assert "exists and is not a" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert target.read_bytes() == theirs
+    os.symlink(tmp_path / "elsewhere", tmp_path / "link.out")
+    assert main([*argv, "--out", str(tmp_path / "link.out"), "--quiet"]) == 2
+    assert "symbolic link" in capsys.readouterr().err and not (tmp_path / "elsewhere").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.out", "result.out"]  # nothing left beside them
 
 
 def test_an_annotation_entry_without_its_fields_is_named(labelled, tmp_path, capsys):
@@ -355,3 +387,33 @@ def test_a_web_url_is_matched_and_named_by_its_path_without_its_query(tmp_path):
               "detections": []}
     write_yolo([record], tmp_path / "labels")
     assert (tmp_path / "labels" / "my photo.txt").is_file()
+
+
+def test_export_csv_writes_a_file_name_that_is_not_utf8_as_its_bytes(tmp_path):
+    """A file name that is not UTF-8 (records hold it as Python's lone surrogates) reaches the CSV
+    as the name's own bytes, and every row is written."""
+    import csv
+
+    from pipeline.export import write_csv
+
+    name = os.fsdecode(b"/photos/lat\xe9.png")
+    records = [{"index": 0, "path": name, "width": 10, "height": 8,
+                "detections": [{"box": [1, 2, 3, 4], "score": 0.5, "label": 0, "name": "face"}]},
+               {"index": 1, "path": "/photos/b.png", "width": 10, "height": 8, "detections": []}]
+    assert write_csv(records, tmp_path / "d.csv") == (2, 1)
+    assert b"/photos/lat\xe9.png,10,8,1,2,3,4,0.5,0,face" in (tmp_path / "d.csv").read_bytes()
+    with open(tmp_path / "d.csv", encoding="utf-8", errors="surrogateescape", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["path"] for r in rows] == [name, "/photos/b.png"] and os.fsencode(rows[0]["path"]) == b"/photos/lat\xe9.png"
+
+
+def test_each_image_draw_skips_is_its_own_line(tmp_path, capsys):
+    """A path listed twice and gone since the run: two images not drawn, two lines (by index), as
+    the count says."""
+    record = {"path": str(tmp_path / "gone.jpg"), "width": 10, "height": 10, "detections": []}
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"index": k, **record}) + "\n" for k in range(2)))
+    assert main(["draw", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "vis")]) == 3
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if "not drawn" in line]
+    assert len(lines) == 2 and "(index 0)" in lines[0] and "(index 1)" in lines[1], captured.err
+    assert "2 skipped" in captured.out

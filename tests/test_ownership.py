@@ -66,6 +66,8 @@ def test_out_as_the_source_folder_records_its_images_and_deletes_none(tmp_path):
     assert {k: v for k, v in tree(source).items() if k in before} == before
     paths = sorted(r["path"] for r in read_jsonl(source / "detections.jsonl"))
     assert paths == sorted(str(source / name) for name in before)
+    summary = json.loads((source / "summary.json").read_text())
+    assert summary["skipped_not_images"] == 0  # nor the run's own lock, listed before its settings are there
     assert main(["draw", str(source), "--out", str(source / "vis"), "--quiet"]) == 0
     assert main(["draw", str(source), "--out", str(tmp_path / "other" / "vis"), "--quiet"]) == 0
     shutil.move(tmp_path / "other" / "vis", source / "drawn")  # a drawing folder moved into the source
