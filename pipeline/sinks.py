@@ -416,8 +416,11 @@ def replacing(path: Path) -> Iterator[TextIO]:
     block ends: written beside it under a name of gpudet's own, then renamed over it. On an error
     it is removed, and `path` stays as it was."""
     tmp = path.with_name(f".{path.name}.gpudet-{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)  # a stale one of this process's pid, or a link: removed, not followed
-    fd = open_for_writing(tmp, os.O_EXCL)
+    try:
+        tmp.unlink(missing_ok=True)  # a stale one of this process's pid, or a link: removed, not followed
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:  # named as the file the caller writes
+        raise OSError(e.errno, e.strerror, str(path)) from None
     try:
         with open(fd, "w", encoding="utf-8", errors="surrogateescape", newline="") as f:
             yield f
