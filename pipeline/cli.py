@@ -321,7 +321,7 @@ def cmd_export_coco(args: argparse.Namespace) -> int:
     matched: set[int] = set()
     results, unmatched = to_coco_results(read_detections(args.detections), load_annotations(args.annotations), matched)
     none_annotated(matched, unmatched, args)
-    write_output(out, "--out", json.dumps(results))
+    write_output(out, "--out", json.dumps(results, separators=(",", ":")))  # compact: how gpudet knows it again
     if unmatched:
         log.warning("%d images of %s are not in %s; skipped", unmatched, args.detections, args.annotations)
     if not args.quiet:
@@ -341,10 +341,12 @@ def output_file(path: str, option: str, kind: str) -> Path:
     from .layout import is_own_file
 
     out = Path(path)
-    if out.is_symlink():
-        raise OutputError(f"{option} {out} is a symbolic link; gpudet never writes through one: give another path")
     if out.is_dir():
         raise OutputError(f"{option} {out} is a folder; give the path of a file to write")
+    if out.exists() and not out.is_file():  # a device or a pipe (/dev/stdout): nothing there to replace
+        return out
+    if out.is_symlink():
+        raise OutputError(f"{option} {out} is a symbolic link; gpudet never writes through one: give another path")
     if not out.parent.is_dir():
         raise OutputError(f"{option} {out}: its folder {out.parent} does not exist; create it or give another path")
     if os.path.lexists(out) and not is_own_file(out, kind):
@@ -479,7 +481,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .config import model_candidates
 
     # where --model looks (a bundled model by its name too); inspect_model names the file if none is
-    names = [args.model] + ([f"{args.model}.onnx"] if not Path(args.model).suffix else [])
+    names = [args.model] + ([f"{args.model}.onnx"] if not args.model.endswith(".onnx") else [])
     path = next((c for name in names for c in model_candidates(name) if c.is_file()), Path(args.model))
     info = inspect_model(path, size_hw=tuple(args.size))
     say(json.dumps(info, indent=2) if args.json else format_info(info))
@@ -556,14 +558,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 PATH_OPTIONS = {"out": "--out", "save_drawings": "--save-drawings", "model": "--model", "annotations": "--annotations",
-                "json": "--json"}
+                "json": "--json", "config": "--config", "root": "--root", "detections": "the records (DETECTIONS)"}
 
 
 def with_paths(args: argparse.Namespace) -> argparse.Namespace:
-    """`args`, where no path option is given as an empty string: one that is (an unset shell
-    variable) is a usage error, not the current folder."""
+    """`args`, where no path is given as an empty string: one that is (an unset shell variable)
+    is a usage error, not the current folder."""
     for name, option in PATH_OPTIONS.items():
         if getattr(args, name, None) == "":
+            option = "the model (MODEL)" if args.command == "inspect" and name == "model" else option
             raise ConfigError(f"{option} is empty (an unset shell variable?); give a path")
     return args
 

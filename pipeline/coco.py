@@ -179,8 +179,11 @@ def unfinished(detections: Path) -> None:
     except (OSError, ValueError, RecursionError):
         return
     if isinstance(summary, dict) and summary.get("interrupted") is True:
-        done = [summary.get(key) for key in ("already_done", "already_failed", "processed", "failed", "images")]
-        count = (f" after {sum(done[:4]):,} of its {done[4]:,} images" if all(isinstance(n, int) for n in done) else "")
+        counts = [summary.get(key) for key in ("already_done", "processed", "failed", "images")]  # done: failed too
+        known = all(isinstance(n, int) for n in counts)
+        if known and sum(counts[:3]) >= counts[3]:  # stopped after its last image
+            return
+        count = f" after {sum(counts[:3]):,} of its {counts[3]:,} images" if known else ""
         log.warning("%s: its run was stopped%s, so these records are not all of its images; `gpudet detect SOURCE "
                     "--out %s --resume` finishes it", folder, count, folder)
 
@@ -197,8 +200,9 @@ def read_detections(path: str | Path) -> list[dict]:
         folder = path
         path = next((path / name for name in DETECTIONS.values() if (path / name).exists()), path / DETECTIONS["jsonl"])
         if not path.exists() and is_output_folder(folder):
-            raise ConfigError(f"{folder} is a gpudet output folder that holds no records yet: its run stopped before "
-                              "writing them (or, with --devices or --ray, before merging them); finish it with "
+            raise ConfigError(f"{folder} is a gpudet output folder that holds no records yet: its run is still going, "
+                              "or stopped before writing them (with --devices or --ray, before merging them); finish "
+                              "it with "
                               f"`gpudet detect SOURCE --out {folder} --resume`")
     kind = format_of(path)
     if kind is None or not path.exists():

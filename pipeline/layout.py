@@ -110,24 +110,26 @@ def foreign_names(path: Path) -> list[str]:
 CSV_HEADER = "index,path,width,height,x1,y1,x2,y2,score,label,name"
 """The first row of the CSV gpudet export writes."""
 OWN_FILE_STARTS = {
-    "csv": lambda head: head.startswith(CSV_HEADER.encode() + b"\r\n"),
-    "coco": lambda head: head == b"[]" or head.startswith(b'[{"image_id": '),
-    "metrics": lambda head: head.startswith(b'{\n  "metrics": '),
-    "bench": lambda head: head.startswith(b'{\n  "images": '),
+    "csv": re.compile(re.escape(CSV_HEADER.encode()) + rb"\r\n"),
+    "coco": re.compile(rb'\[\]\Z|\[\{"image_id":\d'),  # compact: export-coco's own separators
+    "metrics": re.compile(rb'\{\n  "metrics": \{\n    "AP": '),
+    "bench": re.compile(rb'\{\n  "(images": \d+,\n  "(latency_batch_1|skipped|output_format)"|latency_batch_1": \{)'),
 }
-"""How the first bytes of a file gpudet wrote begin: export's CSV, export-coco's COCO results,
+"""How a file gpudet wrote begins (its first 64 bytes): export's CSV, export-coco's COCO results,
 eval --out's metrics, bench --json's report."""
 
 
 def is_own_file(path: Path, kind: str) -> bool:
-    """Whether `path` is a regular file (not a link) that begins as gpudet's files of `kind`
-    (OWN_FILE_STARTS) do: one gpudet may replace."""
+    """Whether `path` is a regular file (not a link) gpudet may replace: empty (nothing of anyone's
+    to lose: a `mktemp` file, say), or beginning as gpudet's files of `kind` (OWN_FILE_STARTS) do."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
     try:
-        return stat.S_ISREG(os.fstat(fd).st_mode) and OWN_FILE_STARTS[kind](os.pread(fd, 64, 0))
+        info = os.fstat(fd)
+        return stat.S_ISREG(info.st_mode) and (
+            info.st_size == 0 or OWN_FILE_STARTS[kind].match(os.pread(fd, 64, 0)) is not None)
     except OSError:
         return False
     finally:

@@ -22,6 +22,7 @@ import errno
 import functools
 import json
 import os
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -413,18 +414,33 @@ def write_all(fd: int, data: bytes, path: Path) -> None:
 @contextmanager
 def replacing(path: Path) -> Iterator[TextIO]:
     """A text file (UTF-8; a file name that is not, as its bytes) that becomes `path` when the
-    block ends: written beside it under a name of gpudet's own, then renamed over it. On an error
-    it is removed, and `path` stays as it was."""
-    tmp = path.with_name(f".{path.name}.gpudet-{os.getpid()}.tmp")
+    block ends: written beside it under a name of gpudet's own, with the mode `path` has (a new
+    file's: the umask's), then renamed over it. On an error it is removed, and `path` stays as it
+    was. A device or a pipe (/dev/stdout, a FIFO) is written as it is: it holds nothing to replace."""
+    def text(fd_or_path) -> TextIO:
+        return open(fd_or_path, "w", encoding="utf-8", errors="surrogateescape", newline="")
+
+    if os.path.exists(path) and not os.path.isfile(path):
+        with text(path) as f:
+            yield f
+        return
+    name = os.fsdecode(os.fsencode(path.name)[:64])  # under the longest name a folder takes, as `path` is
+    tmp = path.with_name(f".{name}.gpudet-{os.getpid()}.tmp")
     try:
+        mode = stat.S_IMODE(os.stat(path).st_mode) if os.path.lexists(path) else None
         tmp.unlink(missing_ok=True)  # a stale one of this process's pid, or a link: removed, not followed
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        if mode is not None:
+            os.fchmod(fd, mode)
     except OSError as e:  # named as the file the caller writes
         raise OSError(e.errno, e.strerror, str(path)) from None
     try:
-        with open(fd, "w", encoding="utf-8", errors="surrogateescape", newline="") as f:
+        with text(fd) as f:
             yield f
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(path)) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

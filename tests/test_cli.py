@@ -283,6 +283,10 @@ def test_a_path_option_given_empty_is_one_line_and_writes_nowhere(tmp_path, monk
                          (["draw", "run", "--out", ""], "--out"),
                          (["export", "run", "--format", "csv", "--out", ""], "--out"),
                          (["eval", "run", "--annotations", ""], "--annotations"),
+                         (["draw", "", "--out", "d"], "the records (DETECTIONS)"),
+                         (["inspect", ""], "the model (MODEL)"),
+                         (["detect", str(SAMPLES), "--out", "o", "--config", ""], "--config"),
+                         (["detect", str(SAMPLES), "--out", "o", "--root", ""], "--root"),
                          (["detect", str(SAMPLES), "--out", "o", "--classes", " , "], "--classes ' , ' names no class")]:
         assert main([*argv, "--quiet"]) == 2, argv
         err = capsys.readouterr().err
@@ -301,10 +305,14 @@ def test_commands_reading_records_say_when_a_run_is_unfinished(tmp_path, capsys)
         f"--out {tmp_path / 'o'} --resume" in err, err
     assert detect(SAMPLES, "--out", tmp_path / "o", "--overwrite", "--quiet") == 0
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
-    (tmp_path / "o" / "summary.json").write_text(json.dumps({**summary, "interrupted": True, "processed": 4}))
+    resumed = {"interrupted": True, "already_done": 3, "already_failed": 1, "processed": 1, "failed": 0}
+    (tmp_path / "o" / "summary.json").write_text(json.dumps({**summary, **resumed}))  # done before: failed ones too
     assert main(["export", str(tmp_path / "o"), "--format", "csv", "--out", str(tmp_path / "d.csv")]) == 0
     assert "its run was stopped after 4 of its 6 images, so these records are not all of its images" in \
         capsys.readouterr().err
+    (tmp_path / "o" / "summary.json").write_text(json.dumps({**summary, "interrupted": True}))  # after its last
+    assert main(["export", str(tmp_path / "o"), "--format", "csv", "--out", str(tmp_path / "d.csv")]) == 0
+    assert "stopped" not in capsys.readouterr().err
 
 
 def test_classes_and_score_threshold_options_keep_what_they_say(tmp_path):

@@ -278,29 +278,40 @@ def test_an_output_path_that_cannot_be_written_is_one_line_before_the_work(label
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "r.json"], list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("command", ["export-csv", "export-coco", "eval"])
+@pytest.mark.parametrize("command", ["export-csv", "export-coco", "eval", "bench"])
 def test_a_file_out_is_new_or_gpudets_own_and_never_another_file(labelled, tmp_path, capsys, command):
-    """export --format csv, export-coco and eval --out replace a file they wrote before, never a
-    user's file or a link (exit 2, one line, the file byte for byte as it was)."""
+    """export --format csv, export-coco, eval --out and bench --json replace a file they wrote
+    before (with its mode) or an empty one, never another file (one that begins much as theirs
+    do, too) or a link: exit 2, one line, the file byte for byte as it was. A device is written."""
     out, gt = str(labelled / "out"), str(labelled / "gt.json")
-    argv = {"export-csv": ["export", out, "--format", "csv"], "export-coco": ["export-coco", out, "--annotations", gt],
-            "eval": ["eval", out, "--annotations", gt]}[command]
-    target = tmp_path / "result.out"
-    assert main([*argv, "--out", str(target), "--quiet"]) == 0
+    argv, option = {"export-csv": (["export", out, "--format", "csv"], "--out"),
+                    "export-coco": (["export-coco", out, "--annotations", gt], "--out"),
+                    "eval": (["eval", out, "--annotations", gt], "--out"),
+                    "bench": (["bench", str(labelled / "images"), "--device", "cpu", "--limit", "2", "--iterations", "1",
+                               "--passes", "1", "--skip-naive"], "--json")}[command]
+    target = tmp_path / ("result." + "x" * 240)  # a long name: the file written beside it stays within NAME_MAX
+    assert main([*argv, option, str(target), "--quiet"]) == 0
     first = target.read_bytes()
-    assert main([*argv, "--out", str(target), "--quiet"]) == 0 and target.read_bytes() == first  # its own: again
+    target.chmod(0o600)
+    assert main([*argv, option, str(target), "--quiet"]) == 0  # its own, again, private as it was
+    assert target.stat().st_mode & 0o777 == 0o600 and target.read_bytes()[:20] == first[:20]
+    target.write_bytes(b"")
+    assert main([*argv, option, str(target), "--quiet"]) == 0 and target.read_bytes()[:20] == first[:20]  # mktemp's
+    assert main([*argv, option, os.devnull, "--quiet"]) == 0
     capsys.readouterr()
-    for theirs in (b"", b"my notes\n", first[:-1].replace(b"i", b"I", 1) if command == "eval" else b"[1, 2]",
-                   b"index,path\r\n"):
+    lookalikes = {"export-csv": b"index,path\r\n", "export-coco": b'[{"image_id": 1, "category_id": 1, "bbox": [',
+                  "eval": b'{\n  "metrics": 0.5}', "bench": json.dumps(json.loads((labelled / "gt.json").read_text()),
+                                                                    indent=2).encode()}
+    for theirs in (b"my notes\n", b"[1, 2]", lookalikes[command]):
         target.write_bytes(theirs)
-        assert main([*argv, "--out", str(target), "--quiet"]) == 2, theirs
+        assert main([*argv, option, str(target), "--quiet"]) == 2, theirs
         err = capsys.readouterr().err
         assert "exists and is not a" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
         assert target.read_bytes() == theirs
     os.symlink(tmp_path / "elsewhere", tmp_path / "link.out")
-    assert main([*argv, "--out", str(tmp_path / "link.out"), "--quiet"]) == 2
+    assert main([*argv, option, str(tmp_path / "link.out"), "--quiet"]) == 2
     assert "symbolic link" in capsys.readouterr().err and not (tmp_path / "elsewhere").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.out", "result.out"]  # nothing left beside them
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.out", target.name]  # nothing left beside them
 
 
 def test_an_annotation_entry_without_its_fields_is_named(labelled, tmp_path, capsys):
