@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._version import __version__
-from .errors import EXIT_OK, EXIT_SOME_FAILED, ConfigError, OutputError, OutputWriteError, catch_signals, \
+from .errors import EXIT_OK, EXIT_SOME_FAILED, ConfigError, OutputWriteError, catch_signals, \
     decoder_level, end_command, ensure_standard_streams, guarded, setup_logging, signals_held, stderr_into_log
 
 if TYPE_CHECKING:
@@ -109,8 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     coco.add_argument("--annotations", required=True, help="COCO annotation file (images, categories)")
     export = commands.add_parser("export-coco", parents=[common, coco],
                                  help="write a COCO results file mapped onto an annotation file's ids")
-    export.add_argument("--out", required=True, help="COCO results JSON to write (a new file, or one export-coco "
-                                                     "wrote: never another file)")
+    export.add_argument("--out", required=True, help="COCO results JSON to write (new, or one export-coco wrote)")
     export_to = commands.add_parser("export", parents=[common], help="records as CSV (one row per detection) or "
                                                                      "YOLO label files (one per image)")
     export_to.add_argument("detections", help="what gpudet detect wrote: detections.jsonl, detections.parquet or "
@@ -125,8 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = commands.add_parser("inspect", parents=[common], help="inputs, outputs, contract and Memcpy "
                                                                     "nodes of an ONNX model")
-    inspect.add_argument("model", help="ONNX model file, or the name of one in gpudet's models/ (.onnx may be left "
-                                       "out)")
+    inspect.add_argument("model", help="ONNX model file, or the name of one in gpudet's models/ (.onnx optional)")
     inspect.add_argument("--size", type=at_least(1), nargs=2, default=(640, 640), metavar=("HEIGHT", "WIDTH"),
                          help="input size for models whose size is dynamic (default 640 640)")
     inspect.add_argument("--json", action="store_true", help="print JSON")
@@ -316,6 +314,7 @@ def summary_table(s: dict) -> str:
 
 def cmd_export_coco(args: argparse.Namespace) -> int:
     from .coco import load_annotations, read_detections, to_coco_results
+    from .export import output_file, write_output
 
     out = output_file(args.out, "--out", "coco")
     matched: set[int] = set()
@@ -328,43 +327,6 @@ def cmd_export_coco(args: argparse.Namespace) -> int:
         say(f"gpudet: {counted(len(results), 'detection')} written to {args.out}" +
             (f" ({counted(unmatched, 'image')} not in the annotation file)" if unmatched else ""))
     return EXIT_OK
-
-
-OWN_FILES = {"csv": "CSV gpudet export", "coco": "COCO results file gpudet export-coco",
-             "metrics": "metrics file gpudet eval", "bench": "report gpudet bench"}
-
-
-def output_file(path: str, option: str, kind: str) -> Path:
-    """The file a command writes at its end (`kind`: layout.OWN_FILE_STARTS), checked before its
-    work: its folder is there, and it is new or a file of that kind gpudet wrote (never a link, a
-    folder or another's file, which gpudet must not replace)."""
-    from .layout import is_own_file
-
-    out = Path(path)
-    if out.is_dir():
-        raise OutputError(f"{option} {out} is a folder; give the path of a file to write")
-    if out.exists() and not out.is_file():  # a device or a pipe (/dev/stdout): nothing there to replace
-        return out
-    if out.is_symlink():
-        raise OutputError(f"{option} {out} is a symbolic link; gpudet never writes through one: give another path")
-    if not out.parent.is_dir():
-        raise OutputError(f"{option} {out}: its folder {out.parent} does not exist; create it or give another path")
-    if os.path.lexists(out) and not is_own_file(out, kind):
-        raise OutputError(f"{option} {out} exists and is not a {OWN_FILES[kind]} wrote, so gpudet leaves it as it "
-                          "is; give a new path (or remove the file yourself)")
-    return out
-
-
-def write_output(path: Path, option: str, text: str) -> None:
-    """Write a command's output file whole (output_file checked it); a failure is one line naming
-    it (exit 4), and leaves what was there."""
-    from .sinks import replacing
-
-    try:
-        with replacing(path) as f:
-            f.write(text)
-    except OSError as e:
-        raise OutputWriteError(path, e, f"give {option} a file gpudet may write, or make room") from None
 
 
 def none_annotated(matched: set[int], unmatched: int, args: argparse.Namespace) -> None:
@@ -380,6 +342,7 @@ def none_annotated(matched: set[int], unmatched: int, args: argparse.Namespace) 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from .coco import evaluate, load_annotations, read_detections, to_coco_results
+    from .export import output_file, write_output
 
     out = output_file(args.out, "--out", "metrics") if args.out is not None else None
     gt = load_annotations(args.annotations, for_eval=True)
@@ -461,7 +424,7 @@ def draw_into(detections: str, out_dir: str, *, root: str | None, limit: int | N
 
 def cmd_export(args: argparse.Namespace) -> int:
     from .coco import read_detections
-    from .export import write_csv, write_yolo
+    from .export import output_file, write_csv, write_yolo
 
     out = output_file(args.out, "--out", "csv") if args.export_format == "csv" else Path(args.out)
     records = read_detections(args.detections)
@@ -490,6 +453,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .config import load_config, option_overrides
+    from .export import output_file, write_output
 
     overrides = args.overrides + option_overrides(device=args.device, batch_size=args.batch_size, cli=True)
     config = load_config(args.config, overrides, origin="--set")

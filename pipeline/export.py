@@ -1,18 +1,52 @@
 """Records (detections.jsonl, detections.parquet) as the files other tools read: CSV, one row per
 detection (an image with none: one row, its detection's columns empty), and YOLO label files, one
 per image (`class cx cy w h score`, over the image's size, as Ultralytics' save_txt with save_conf
-writes them)."""
+writes them); and how a command's one output file (export's CSV, export-coco's, eval's and bench's
+JSON) is checked and written: never over a file gpudet did not write."""
 
 from __future__ import annotations
 
 import csv
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from .errors import OutputError
-from .layout import CSV_HEADER, EXPORT_MARKER
+from .errors import OutputError, OutputWriteError
+from .layout import CSV_HEADER, EXPORT_MARKER, is_own_file
 from .sinks import replacing
 from .storage import named_path
+
+OWN_FILES = {"csv": "CSV gpudet export", "coco": "COCO results file gpudet export-coco",
+             "metrics": "metrics file gpudet eval", "bench": "report gpudet bench"}
+
+
+def output_file(path: str, option: str, kind: str) -> Path:
+    """The file a command writes at its end (`kind`: layout.OWN_FILE_STARTS), checked before its
+    work: its folder is there, and it is new or a file of that kind gpudet wrote (never a link, a
+    folder or another's file, which gpudet must not replace)."""
+    out = Path(path)
+    if out.is_dir():
+        raise OutputError(f"{option} {out} is a folder; give the path of a file to write")
+    if out.exists() and not out.is_file():  # a device or a pipe (/dev/stdout): nothing there to replace
+        return out
+    if out.is_symlink():
+        raise OutputError(f"{option} {out} is a symbolic link; gpudet never writes through one: give another path")
+    if not out.parent.is_dir():
+        raise OutputError(f"{option} {out}: its folder {out.parent} does not exist; create it or give another path")
+    if os.path.lexists(out) and not is_own_file(out, kind):
+        raise OutputError(f"{option} {out} exists and is not a {OWN_FILES[kind]} wrote, so gpudet leaves it as it "
+                          "is; give a new path (or remove the file yourself)")
+    return out
+
+
+def write_output(path: Path, option: str, text: str) -> None:
+    """Write a command's output file whole (output_file checked it); a failure is one line naming
+    it (exit 4), and leaves what was there."""
+    try:
+        with replacing(path) as f:
+            f.write(text)
+    except OSError as e:
+        raise OutputWriteError(path, e, f"give {option} a file gpudet may write, or make room") from None
 
 
 def write_csv(records: Iterable[dict], path: Path) -> tuple[int, int]:
