@@ -115,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     export_to.add_argument("detections", help="what gpudet detect wrote: detections.jsonl, detections.parquet or "
                                               "the output folder")
     export_to.add_argument("--format", dest="export_format", choices=("csv", "yolo"), required=True,
-                           help="csv: a file, one row per detection (an image with none: one row, its box empty); yolo: a folder of <image stem>.txt, a line "
-                                "per detection: label cx cy w h score, over the image's size")
+                           help="csv: a file, one row per detection (an image with none: one row, its box empty); "
+                                "yolo: a folder of <image stem>.txt, a line per detection: label cx cy w h score, "
+                                "over the image's size")
     export_to.add_argument("--out", required=True, help="the CSV file, or the folder of label files, to write (new, "
                                                         "or one gpudet export wrote: never another's)")
     evaluate = commands.add_parser("eval", parents=[common, coco], help="COCO bbox metrics of gpudet detect's results")

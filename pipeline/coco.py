@@ -201,9 +201,8 @@ def read_detections(path: str | Path) -> list[dict]:
         path = next((path / name for name in DETECTIONS.values() if (path / name).exists()), path / DETECTIONS["jsonl"])
         if not path.exists() and is_output_folder(folder):
             raise ConfigError(f"{folder} is a gpudet output folder that holds no records yet: its run is still going, "
-                              "or stopped before writing them (with --devices or --ray, before merging them); finish "
-                              "it with "
-                              f"`gpudet detect SOURCE --out {folder} --resume`")
+                              "or stopped before writing them (with --devices or --ray, before merging them); "
+                              f"finish it with `gpudet detect SOURCE --out {folder} --resume`")
     kind = format_of(path)
     if kind is None or not path.exists():
         what = "does not exist" if not path.exists() else "is not detections.jsonl, detections.parquet or an output folder"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .errors import OutputError, OutputWriteError
 from .layout import CSV_HEADER, EXPORT_MARKER, is_own_file
-from .sinks import replacing
+from .sinks import is_device, replacing
 from .storage import named_path
 
 OWN_FILES = {"csv": "CSV gpudet export", "coco": "COCO results file gpudet export-coco",
@@ -27,7 +27,7 @@ def output_file(path: str, option: str, kind: str) -> Path:
     out = Path(path)
     if out.is_dir():
         raise OutputError(f"{option} {out} is a folder; give the path of a file to write")
-    if out.exists() and not out.is_file():  # a device or a pipe (/dev/stdout): nothing there to replace
+    if is_device(out):
         return out
     if out.is_symlink():
         raise OutputError(f"{option} {out} is a symbolic link; gpudet never writes through one: give another path")

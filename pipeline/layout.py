@@ -143,9 +143,9 @@ DRAWING = re.compile(r"\d{8}_[\w.-]{1,64}\.(jpg|png|webp)")
 def skipped_in_walk(top: Path, dirs: list[str], files: list[str]) -> tuple[list[str], list[str]]:
     """What a folder walk lists of one folder `top` (os.walk's dirs and files): everything but
     gpudet's own entries: in an output folder, the names gpudet writes (before its settings, its
-    lock); in a folder `gpudet draw`
-    wrote into, its mark and the drawings. The user's own files there stay listed (an output folder
-    may be the source folder, or hold photos). Returns (dirs, files) to keep."""
+    lock); in a folder `gpudet draw` wrote into, its mark and the drawings. The user's own files
+    there stay listed (an output folder may be the source folder, or hold photos). Returns (dirs,
+    files) to keep."""
     if SETTINGS in files and is_output_folder(top):
         dirs = [d for d in dirs if d not in NAMES]
         files = [f for f in files if f not in NAMES]

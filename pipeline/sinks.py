@@ -411,6 +411,12 @@ def write_all(fd: int, data: bytes, path: Path) -> None:
         raise OutputWriteError(path, e) from None
 
 
+def is_device(path: Path) -> bool:
+    """Whether `path` is there and neither a regular file nor a folder: a device or a pipe
+    (/dev/stdout, a FIFO), written as it is, as it holds nothing to replace."""
+    return os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
+
+
 @contextmanager
 def replacing(path: Path) -> Iterator[TextIO]:
     """A text file (UTF-8; a file name that is not, as its bytes) that becomes `path` when the
@@ -420,7 +426,7 @@ def replacing(path: Path) -> Iterator[TextIO]:
     def text(fd_or_path) -> TextIO:
         return open(fd_or_path, "w", encoding="utf-8", errors="surrogateescape", newline="")
 
-    if os.path.exists(path) and not os.path.isfile(path):
+    if is_device(path):
         with text(path) as f:
             yield f
         return
